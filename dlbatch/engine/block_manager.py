@@ -1,0 +1,192 @@
+"""Paged KV-cache bookkeeping: block tables, reference counts, reservations and the
+prefix cache (full blocks keyed by chained hashes, token ids verified on a hit, LRU reuse).
+
+Plain Python over lists and dicts: no torch, unit-testable without a model.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from dlbatch.engine.sequence import Sequence
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but hashed: reusable as cache, LRU first
+        self.block_key: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        self.block_hash: dict[int, int] = {}
+        self.hash_to_block: dict[int, int] = {}
+        self.reserved_total = 0
+        # counters
+        self.prefix_queries = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # ---- capacity -------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be taken now (free or evictable cache), before reservations."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_available(self) -> int:
+        return self.num_free - self.reserved_total
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    # ---- prefix cache ---------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of `token_ids` (full blocks only),
+        leaving at least one token to compute so the last position yields logits."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        n_full = (len(token_ids) - 1) // bs
+        hits: list[int] = []
+        parent = None
+        for i in range(n_full):
+            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, toks)
+            b = self.hash_to_block.get(h)
+            if b is None or self.block_key.get(b) != (parent, toks):
+                break
+            hits.append(b)
+            parent = h
+        return hits
+
+    def _take(self) -> int:
+        if self.free:
+            b = self.free.popleft()
+        elif self.evictable:
+            b, _ = self.evictable.popitem(last=False)
+            self._unhash(b)
+        else:
+            raise NoFreeBlocks("no free KV blocks")
+        self.ref[b] = 1
+        return b
+
+    def _unhash(self, b: int) -> None:
+        h = self.block_hash.pop(b, None)
+        if h is not None and self.hash_to_block.get(h) == b:
+            del self.hash_to_block[h]
+        self.block_key.pop(b, None)
+
+    # ---- sequence lifecycle -----------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, reserve: bool) -> tuple[int, list[int]]:
+        hits = self.match_prefix(seq.all_ids)
+        total = seq.max_total_tokens if reserve else len(seq) + 1
+        return max(0, cdiv(total, self.block_size) - len(hits)), hits
+
+    def can_allocate(self, seq: Sequence, reserve: bool) -> bool:
+        need, hits = self.blocks_needed(seq, reserve)
+        # hits that sit in `evictable` stop being free once we take them
+        hit_evictable = sum(1 for b in hits if self.ref[b] == 0)
+        return need + hit_evictable <= self.num_available
+
+    def allocate(self, seq: Sequence, reserve: bool) -> None:
+        """Admit `seq`: reuse its cached prefix blocks, take blocks for the rest of its
+        current tokens, and (reserve=True) reserve blocks for its remaining max_tokens."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already has blocks")
+        need, hits = self.blocks_needed(seq, reserve)
+        hit_evictable = sum(1 for b in hits if self.ref[b] == 0)
+        if need + hit_evictable > self.num_available:
+            raise NoFreeBlocks(f"sequence {seq.seq_id} needs {need} blocks, {self.num_available} available")
+        parent = None
+        for b in hits:
+            if self.ref[b] == 0:
+                self.evictable.pop(b, None)
+            self.ref[b] += 1
+            parent = self.block_hash[b]
+            seq.block_hashes.append(parent)
+        seq.block_table = list(hits)
+        seq.num_computed = len(hits) * self.block_size
+        seq.num_cached = seq.num_computed
+        self.prefix_queries += 1
+        self.prefix_hit_tokens += seq.num_cached
+        self.prefix_query_tokens += len(seq)
+        now = cdiv(len(seq), self.block_size) - len(hits)
+        for _ in range(now):
+            seq.block_table.append(self._take())
+        if reserve:
+            seq.reserved = need - now
+            self.reserved_total += seq.reserved
+
+    def ensure_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Make the block table cover `num_tokens` tokens, taking from the sequence's
+        reservation first. Raises NoFreeBlocks when neither reservation nor pool has one."""
+        while len(seq.block_table) * self.block_size < num_tokens:
+            if seq.reserved > 0:
+                seq.reserved -= 1
+                self.reserved_total -= 1
+            elif self.num_available <= 0:
+                raise NoFreeBlocks(f"sequence {seq.seq_id} needs a block for token {num_tokens}")
+            seq.block_table.append(self._take())
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of blocks whose KV is now fully computed (prefix cache)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        ids = None
+        while len(seq.block_hashes) < seq.num_computed // bs:
+            i = len(seq.block_hashes)
+            if ids is None:
+                ids = seq.all_ids
+            toks = tuple(ids[i * bs:(i + 1) * bs])
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = chain_hash(parent, toks)
+            b = seq.block_table[i]
+            seq.block_hashes.append(h)
+            if b not in self.block_hash and h not in self.hash_to_block:
+                self.block_hash[b] = h
+                self.hash_to_block[h] = b
+                self.block_key[b] = (parent, toks)
+
+    def free_seq(self, seq: Sequence) -> None:
+        for b in reversed(seq.block_table):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if b in self.block_hash:
+                    self.evictable[b] = None  # most recently used at the end
+                else:
+                    self.free.append(b)
+            elif self.ref[b] < 0:  # pragma: no cover - bookkeeping bug
+                raise RuntimeError(f"block {b} freed twice")
+        seq.block_table = []
+        seq.block_hashes = []
+        self.reserved_total -= seq.reserved
+        seq.reserved = 0
+
+    def check_invariants(self) -> None:
+        """Debug/test helper: every block is exactly one of free / evictable / referenced."""
+        free = set(self.free)
+        ev = set(self.evictable)
+        if free & ev:
+            raise AssertionError(f"blocks both free and evictable: {sorted(free & ev)[:5]}")
+        for b in range(self.num_blocks):
+            in_use = self.ref[b] > 0
+            if in_use == (b in free or b in ev):
+                raise AssertionError(f"block {b}: ref={self.ref[b]} free={b in free} evictable={b in ev}")
+        if self.reserved_total < 0 or self.reserved_total > self.num_free:
+            raise AssertionError(f"reserved_total {self.reserved_total} vs free {self.num_free}")

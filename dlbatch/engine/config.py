@@ -1,0 +1,176 @@
+"""Frozen configuration objects of the engine: the model's shape and the engine's knobs."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelConfigError(ValueError):
+    """A model's config.json (or GGUF metadata) describes something we cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return per_layer * L + emb + h
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        mt = cfg.get("model_type")
+        archs = cfg.get("architectures") or []
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"{source}: model_type {mt!r} (architectures {archs}) is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+                raise ModelConfigError(f"{source}: {key} must be a positive integer, got {cfg.get(key)!r}")
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ModelConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if cfg.get("mlp_bias"):
+            raise ModelConfigError(f"{source}: mlp_bias=true is not supported")
+        rope = _parse_rope(cfg, source)
+        sliding = None
+        if mt == "mistral":
+            sliding = cfg.get("sliding_window")
+        elif mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            raise ModelConfigError(f"{source}: use_sliding_window=true is not supported for {mt}")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        attn_bias = bool(cfg.get("attention_bias", False))
+        return ModelConfig(
+            model_type=mt,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=rope,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=(mt == "qwen2") or attn_bias,
+            o_bias=attn_bias and mt in ("llama", "qwen3"),
+            qk_norm=(mt == "qwen3"),
+            sliding_window=sliding,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    kind = merged.get("rope_type") or merged.get("type") or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ModelConfigError(f"{source}: rope type {kind!r} is not supported (default, linear, llama3)")
+    return RopeConfig(
+        theta=float(theta),
+        kind=kind,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def parse_memory(value: int | float | str | None, what: str = "kv_cache_memory") -> int | None:
+    """'2GiB' / '512MB' / 1e9 -> bytes."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"{what} must be positive, got {value!r}")
+        return int(value)
+    s = str(value).strip().lower().replace(" ", "")
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+    for u, mult in units.items():
+        if s.endswith(u):
+            try:
+                num = float(s[: -len(u)])
+            except ValueError:
+                break
+            if num <= 0 or not math.isfinite(num):
+                break
+            return int(num * mult)
+    raise ValueError(f"{what}: cannot parse {value!r} (use bytes or e.g. '2GiB', '512MB')")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_model_len: int = 8192
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: sized from max_num_seqs * max_model_len (capped)
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests)
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    admission: str = "reserve"  # reserve (prompt+max_tokens blocks up front) | greedy (recompute-preemption)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(_DTYPES)}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} < block_size {self.block_size}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.admission not in ("reserve", "greedy"):
+            raise ValueError(f"admission {self.admission!r} is not one of reserve, greedy")

@@ -1,0 +1,159 @@
+"""The engine loop: add requests, then step (schedule -> run -> postprocess) until done."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from dlbatch.engine.block_manager import BlockManager
+from dlbatch.engine.config import EngineConfig
+from dlbatch.engine.loader import LoadedModel
+from dlbatch.engine.model import Transformer, torch_dtype
+from dlbatch.engine.model_runner import ModelRunner
+from dlbatch.engine.ops import get_ops
+from dlbatch.engine.outputs import RequestOutput
+from dlbatch.engine.sampling_params import SamplingParams
+from dlbatch.engine.scheduler import Scheduler
+from dlbatch.engine.sequence import Sequence
+
+log = logging.getLogger("dlbatch.engine")
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, op_overrides: dict | None = None):
+        self.loaded = loaded
+        self.mconf = loaded.config
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.fingerprint = loaded.fingerprint
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+        dtype = torch_dtype(config.dtype)
+        self.ops = get_ops(device, op_overrides)
+        self.model = Transformer(self.mconf, loaded.weights, self.ops, dtype, device, config.max_model_len)
+        self.num_blocks = self._num_blocks(dtype, device)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.model, self.mconf, config, self.num_blocks)
+        self.eos_ids = set(self.mconf.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.stats = {"steps": 0, "prompt_tokens": 0, "prefill_tokens_computed": 0, "output_tokens": 0,
+                      "cached_tokens": 0, "busy_s": 0.0}
+
+    def _num_blocks(self, dtype, device) -> int:
+        c = self.config
+        per_block = ModelRunner.bytes_per_block(self.mconf, c.block_size, dtype)
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory is not None:
+            n = c.kv_cache_memory // per_block
+        elif device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            n = int(free * 0.85) // per_block
+        else:
+            want = c.max_num_seqs * c.max_model_len // c.block_size
+            n = min(want, _DEFAULT_CPU_KV_BYTES // per_block)
+        min_blocks = -(-c.max_model_len // c.block_size)
+        if n < min_blocks:
+            raise ValueError(
+                f"kv_cache_memory holds {n} blocks of {c.block_size} tokens ({n * per_block} bytes) but one "
+                f"sequence of max_model_len={c.max_model_len} needs {min_blocks}; raise kv_cache_memory "
+                f"to at least {min_blocks * per_block} bytes or lower max_model_len")
+        return int(n)
+
+    # ---- requests --------------------------------------------------------------------------
+    def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if not prompt_ids:
+            raise ValueError(f"request {request_id}: empty prompt")
+        vocab = self.mconf.vocab_size
+        bad = next((t for t in prompt_ids if not (0 <= t < vocab)), None)
+        if bad is not None:
+            raise ValueError(f"request {request_id}: token id {bad} is outside the vocabulary [0, {vocab})")
+        limit = self.config.max_model_len - params.max_tokens
+        truncated = False
+        if len(prompt_ids) > limit:
+            if not params.truncate_prompt or limit <= 0:
+                raise ValueError(
+                    f"request {request_id}: prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} "
+                    f"exceeds max_model_len {self.config.max_model_len} (prompt may be at most {max(limit, 0)} "
+                    f"tokens; set truncate_prompt=True to keep the head)")
+            prompt_ids = prompt_ids[:limit]
+            truncated = True
+        seq = Sequence(seq_id=request_id, prompt_ids=list(prompt_ids), params=params)
+        seq.truncated = truncated
+        return seq
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    prefill_only: bool = False) -> Sequence:
+        seq = self.make_sequence(request_id, prompt_ids, params)
+        seq.prefill_only = prefill_only
+        self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += len(seq.prompt_ids)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running:
+                seq = self.scheduler.waiting[0]
+                raise RuntimeError(f"request {seq.seq_id} cannot be admitted: KV cache too small")
+            return []
+        prefill_tokens = sum(min(s.num_new, max(0, len(s.seq.prompt_ids) - s.seq.num_computed)) for s in out.scheduled)
+        sampled = self.runner.execute(out)
+        self.stats["steps"] += 1
+        self.stats["prefill_tokens_computed"] += prefill_tokens
+        now = time.perf_counter()
+        for s in out.scheduled:
+            if id(s.seq) in sampled and s.seq.first_token_time is None:
+                s.seq.first_token_time = now
+        finished = self.scheduler.postprocess(out, sampled, self._is_stopped)
+        self.stats["output_tokens"] += len(sampled)
+        for seq in finished:
+            seq.finish_time = now
+            if seq.prefill_only:
+                seq.kv_export = self.runner.export_kv(seq, len(seq.prompt_ids))
+        self.scheduler.free_finished(finished)
+        self.stats["busy_s"] += time.perf_counter() - t0
+        return finished
+
+    def _is_stopped(self, seq: Sequence) -> str | None:
+        p = seq.params
+        last = seq.output_ids[-1]
+        if seq.prefill_only:
+            return "prefill"
+        if not p.ignore_eos and last in self.eos_ids:
+            return "stop"
+        if last in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            text = self.tokenizer.decode(seq.output_ids)
+            lo = max(0, seq.stop_text_len - max(len(s) for s in p.stop))
+            for s in p.stop:
+                i = text.find(s, lo)
+                if i >= 0:
+                    seq.text = text[:i]
+                    return "stop"
+            seq.stop_text_len = len(text)
+        if len(seq.output_ids) >= p.max_tokens or len(seq) >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def to_output(self, seq: Sequence) -> RequestOutput:
+        ids = seq.output_ids
+        if seq.finish_reason == "stop" and ids and ids[-1] in self.eos_ids and not seq.params.ignore_eos:
+            ids = ids[:-1]
+        text = seq.text if seq.text is not None else self.tokenizer.decode(ids)
+        m = {"ttft_s": (seq.first_token_time - seq.arrival) if seq.first_token_time else None,
+             "latency_s": (seq.finish_time - seq.arrival) if seq.finish_time else None,
+             "preemptions": seq.num_preemptions}
+        return RequestOutput(request_id=seq.seq_id, prompt_tokens=len(seq.prompt_ids), token_ids=list(seq.output_ids),
+                             text=text, finish_reason=seq.finish_reason or "length", truncated=seq.truncated,
+                             cached_tokens=seq.num_cached, metrics=m)

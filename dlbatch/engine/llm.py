@@ -1,0 +1,130 @@
+"""The user-facing engine API:
+
+    from dlbatch import LLM, SamplingParams
+    llm = LLM("smollm2-135m-instruct", dtype="bfloat16")
+    out = llm.generate(["Why is the sky blue?"], SamplingParams(max_tokens=64))
+    print(out[0].text)
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence as Seq
+
+from dlbatch.engine.config import EngineConfig, parse_memory
+from dlbatch.engine.engine import LLMEngine
+from dlbatch.engine.loader import load_model
+from dlbatch.engine.outputs import RequestOutput
+from dlbatch.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("dlbatch")
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m-instruct", dtype: str = "bfloat16", device: str = "cpu",
+                 max_model_len: int | None = None, kv_cache_memory: int | str | None = None,
+                 chat: bool | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 64, enable_prefix_caching: bool = True, admission: str = "reserve",
+                 num_kv_blocks: int | None = None, storage_options: dict | None = None,
+                 op_overrides: dict | None = None, num_threads: int | None = None):
+        import torch
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        loaded = load_model(model, storage_options)
+        mml = max_model_len or min(loaded.config.max_position_embeddings, 8192)
+        if mml > loaded.config.max_position_embeddings:
+            raise ValueError(f"max_model_len {mml} exceeds the model's max_position_embeddings "
+                             f"{loaded.config.max_position_embeddings}")
+        config = EngineConfig(dtype=dtype, device=device, max_model_len=mml, block_size=block_size,
+                              kv_cache_memory=parse_memory(kv_cache_memory), num_kv_blocks=num_kv_blocks,
+                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                              enable_prefix_caching=enable_prefix_caching, admission=admission)
+        self.model_name = model
+        self.engine = LLMEngine(loaded, config, op_overrides)
+        self.tokenizer = self.engine.tokenizer
+        if chat is None:
+            chat = self.tokenizer.chat_template is not None
+        elif chat and self.tokenizer.chat_template is None:
+            raise ValueError(f"chat=True but model {model!r} has no chat template")
+        self.chat = chat
+        self._counter = 0
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def fingerprint(self) -> str:
+        return self.engine.fingerprint
+
+    # ---- prompts ---------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt")
+            return self.tokenizer.encode_prompt(prompt, self.chat)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _params_list(self, n: int, params) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return params
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return str(self._counter)
+
+    # ---- generation --------------------------------------------------------------------------
+    def generate(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = self._params_list(len(prompts), params)
+        seqs = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            try:
+                ids = self.encode(p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            if not ids:
+                raise ValueError(f"prompt {i}: empty prompt")
+            seqs.append(self.engine.make_sequence(self._next_id(), ids, sp))
+        return self._run(seqs, use_tqdm)
+
+    def _run(self, seqs, use_tqdm: bool = False) -> list[RequestOutput]:
+        for s in seqs:
+            self.engine.scheduler.add(s)
+            self.engine.stats["prompt_tokens"] += len(s.prompt_ids)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(seqs), desc="generate", unit="req")
+        done = {}
+        try:
+            while self.engine.has_unfinished():
+                for seq in self.engine.step():
+                    done[id(seq)] = seq
+                    if bar:
+                        bar.update(1)
+        finally:
+            if bar:
+                bar.close()
+            if self.engine.has_unfinished():  # an exception mid-run: leave the engine clean
+                self.engine.scheduler.abort_all()
+        return [self.engine.to_output(done[id(s)]) for s in seqs]
+
+    def stats(self) -> dict:
+        st = dict(self.engine.stats)
+        bm = self.engine.block_manager
+        st["prefix_hit_tokens"] = bm.prefix_hit_tokens
+        st["prefix_query_tokens"] = bm.prefix_query_tokens
+        st["preemptions"] = self.engine.scheduler.num_preemptions
+        return st

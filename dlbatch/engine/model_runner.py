@@ -1,0 +1,143 @@
+"""Turns a scheduled step into tensors, runs the model, samples. Owns the KV cache tensor
+`(2, layers, blocks, block_size, kv_heads, head_dim)`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dlbatch.engine.config import EngineConfig, ModelConfig
+from dlbatch.engine.model import Transformer
+from dlbatch.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class AttnMeta:
+    slots: torch.Tensor
+    num_prefill_tokens: int
+    prefill: list = field(default_factory=list)  # (q_start, n_new, ctx_start, gather|None)
+    decode_gather: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
+    sliding_window: int | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, mconf: ModelConfig, econf: EngineConfig, num_blocks: int):
+        self.model = model
+        self.mconf = mconf
+        self.econf = econf
+        self.device = model.device
+        self.block_size = econf.block_size
+        self.kv_cache = torch.zeros(
+            (2, mconf.num_layers, num_blocks, econf.block_size, mconf.num_kv_heads, mconf.head_dim),
+            dtype=model.dtype, device=model.device)
+
+    @staticmethod
+    def bytes_per_block(mconf: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * mconf.num_layers * block_size * mconf.num_kv_heads * mconf.head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, out: SchedulerOutput):
+        prefills = [s for s in out.scheduled if not (s.num_new == 1 and s.seq.num_computed > 0)]
+        decodes = [s for s in out.scheduled if s.num_new == 1 and s.seq.num_computed > 0]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        prefill_meta = []
+        logits_rows: list[int] = []
+        logits_seqs = []
+        for s in prefills:
+            seq, start, n = s.seq, s.seq.num_computed, s.num_new
+            q_start = len(ids)
+            all_ids = seq.all_ids
+            ids.extend(all_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(self._slots(seq.block_table, start, start + n))
+            gather = None
+            if start > 0:
+                gather = torch.tensor(self._slots(seq.block_table, 0, start + n), dtype=torch.long, device=self.device)
+            prefill_meta.append((q_start, n, start, gather))
+            if s.needs_logits:
+                logits_rows.append(len(ids) - 1)
+                logits_seqs.append(seq)
+        num_prefill = len(ids)
+        dg = dm = dl = None
+        if decodes:
+            lens = [s.seq.num_computed + 1 for s in decodes]
+            lmax = max(lens)
+            window = self.mconf.sliding_window
+            gather_rows = []
+            for s, L in zip(decodes, lens):
+                seq = s.seq
+                p = seq.num_computed
+                ids.append(seq.all_ids[p])
+                pos.append(p)
+                sl = self._slots(seq.block_table, 0, L)
+                slots.append(sl[-1])
+                gather_rows.append(sl + [0] * (lmax - L))
+                logits_rows.append(len(ids) - 1)
+                logits_seqs.append(seq)
+            dg = torch.tensor(gather_rows, dtype=torch.long, device=self.device)
+            dl = torch.tensor(lens, dtype=torch.long, device=self.device)
+            kpos = torch.arange(lmax, device=self.device).unsqueeze(0)
+            mask = kpos < dl.unsqueeze(1)
+            if window is not None:
+                mask &= kpos > (dl.unsqueeze(1) - 1 - window)
+            dm = mask[:, None, None, :]
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = AttnMeta(slots=t(slots), num_prefill_tokens=num_prefill, prefill=prefill_meta,
+                        decode_gather=dg, decode_mask=dm, decode_lens=dl, sliding_window=self.mconf.sliding_window)
+        return t(ids), t(pos), meta, t(logits_rows), logits_seqs
+
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        """Run one step; returns {id(seq): sampled token} for sequences that reached a sample point."""
+        if not out.scheduled:
+            return {}
+        ids, pos, meta, rows, seqs = self.prepare(out)
+        logits = self.model.forward(ids, pos, self.kv_cache, meta, rows)
+        if not seqs:
+            return {}
+        tokens = self.sample(logits, seqs)
+        return {id(s): int(t) for s, t in zip(seqs, tokens)}
+
+    def sample(self, logits: torch.Tensor, seqs) -> list[int]:
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1).tolist()
+        dev = logits.device
+        temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+        gens = []
+        for s in seqs:
+            if s.generator is None:
+                g = torch.Generator(device=dev)
+                if s.params.seed is not None:
+                    g.manual_seed(s.params.seed)
+                else:
+                    g.seed()
+                s.generator = g
+            gens.append(s.generator)
+        return self.model.ops.sample(logits, temp, top_p, top_k, gens, False).tolist()
+
+    # ---- KV export / import (prefill/decode disaggregation) ------------------------------
+    def export_kv(self, seq, num_tokens: int) -> list[torch.Tensor]:
+        """Per layer, (2, num_tokens, Hkv, D) copies of the sequence's KV (token-major)."""
+        idx = torch.tensor(self._slots(seq.block_table, 0, num_tokens), dtype=torch.long, device=self.device)
+        hk, d = self.mconf.num_kv_heads, self.mconf.head_dim
+        flat = self.kv_cache.view(2, self.mconf.num_layers, -1, hk, d)
+        return [flat[:, li].index_select(1, idx) for li in range(self.mconf.num_layers)]
+
+    def import_kv_layer(self, seq, layer: int, kv: torch.Tensor) -> None:
+        """Copy one layer's (2, n, Hkv, D) KV into the sequence's blocks (converting dtype)."""
+        n = kv.shape[1]
+        idx = torch.tensor(self._slots(seq.block_table, 0, n), dtype=torch.long, device=self.device)
+        hk, d = self.mconf.num_kv_heads, self.mconf.head_dim
+        flat = self.kv_cache.view(2, self.mconf.num_layers, -1, hk, d)
+        src = kv.to(device=self.device, dtype=self.kv_cache.dtype)
+        flat[0, layer].index_copy_(0, idx, src[0])
+        flat[1, layer].index_copy_(0, idx, src[1])

@@ -1,0 +1,54 @@
+"""A request inside the engine: its tokens, its blocks, its progress."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from dlbatch.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_cached: int = 0  # prompt tokens served from the prefix cache (last admission)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of committed full blocks
+    reserved: int = 0  # blocks reserved for this sequence and not yet taken
+    finish_reason: str | None = None
+    truncated: bool = False
+    prefill_only: bool = False  # prefill-only mode: stop after the first token, export the KV
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    generator: object = None  # torch.Generator for seeded sampling
+    stop_text_len: int = 0  # characters of decoded text already checked for stop strings
+    text: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return len(self) - self.num_computed
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens

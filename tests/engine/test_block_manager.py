@@ -1,0 +1,183 @@
+"""Block manager and scheduler without a model."""
+from __future__ import annotations
+
+import pytest
+
+from dlbatch.engine.block_manager import BlockManager, NoFreeBlocks
+from dlbatch.engine.config import EngineConfig
+from dlbatch.engine.sampling_params import SamplingParams
+from dlbatch.engine.scheduler import Scheduler
+from dlbatch.engine.sequence import Sequence
+
+
+def seq(sid, n, max_tokens=4, base=0):
+    return Sequence(seq_id=str(sid), prompt_ids=[base + i for i in range(n)], params=SamplingParams(max_tokens=max_tokens))
+
+
+def run_prefill(bm, s):
+    s.num_computed = len(s)
+    bm.commit_full_blocks(s)
+
+
+def test_allocate_reserve_and_free():
+    bm = BlockManager(10, 4)
+    s = seq(1, 9, max_tokens=6)  # 15 tokens -> 4 blocks, 3 now (9 tokens), 1 reserved
+    assert bm.can_allocate(s, reserve=True)
+    bm.allocate(s, reserve=True)
+    assert len(s.block_table) == 3 and s.reserved == 1
+    assert bm.num_available == 10 - 3 - 1
+    bm.ensure_slots(s, 13)
+    assert len(s.block_table) == 4 and s.reserved == 0 and bm.reserved_total == 0
+    bm.check_invariants()
+    bm.free_seq(s)
+    assert bm.num_free == 10 and bm.num_available == 10
+    bm.check_invariants()
+
+
+def test_reservation_blocks_admission():
+    bm = BlockManager(6, 4)
+    a = seq(1, 4, max_tokens=16)  # 20 tokens -> 5 blocks
+    bm.allocate(a, reserve=True)
+    b = seq(2, 3, max_tokens=4, base=100)  # reserve: 2 blocks; greedy: 1
+    assert not bm.can_allocate(b, reserve=True)
+    assert bm.can_allocate(b, reserve=False)  # greedy admission would take it
+    with pytest.raises(NoFreeBlocks):
+        bm.allocate(b, reserve=True)
+
+
+def test_prefix_hash_reuse_verified_and_lru():
+    bm = BlockManager(8, 4)
+    a = seq(1, 10)
+    bm.allocate(a, reserve=False)
+    run_prefill(bm, a)
+    assert len(a.block_hashes) == 2  # two full blocks hashed, partial third not
+    bm.free_seq(a)
+    assert len(bm.evictable) == 2
+    b = seq(2, 10)  # same tokens -> hits two blocks
+    bm.allocate(b, reserve=False)
+    assert b.num_cached == 8 and b.num_computed == 8
+    bm.check_invariants()
+    c = Sequence("3", [0, 1, 2, 3, 9, 9, 9, 9, 9, 9], SamplingParams())  # first block same, second differs
+    bm.allocate(c, reserve=False)
+    assert c.num_cached == 4
+    bm.free_seq(b)
+    bm.free_seq(c)
+    bm.check_invariants()
+
+
+def test_full_prompt_hit_leaves_one_token():
+    bm = BlockManager(8, 4)
+    a = seq(1, 8)
+    bm.allocate(a, reserve=False)
+    run_prefill(bm, a)
+    bm.free_seq(a)
+    b = seq(2, 8)
+    bm.allocate(b, reserve=False)
+    assert b.num_computed == 4  # last block recomputed so logits exist
+    bm.free_seq(b)
+
+
+def test_evicted_blocks_lose_their_hash():
+    bm = BlockManager(3, 4)
+    a = seq(1, 8)
+    bm.allocate(a, reserve=False)
+    run_prefill(bm, a)
+    bm.free_seq(a)
+    other = seq(2, 11, base=50)
+    bm.allocate(other, reserve=False)  # takes all 3 blocks, evicting a's
+    assert not bm.hash_to_block
+    bm.free_seq(other)
+    again = seq(3, 8)
+    bm.allocate(again, reserve=False)
+    assert again.num_cached == 0
+    bm.check_invariants()
+
+
+def test_hash_collision_is_verified():
+    bm = BlockManager(4, 4)
+    a = seq(1, 5)
+    bm.allocate(a, reserve=False)
+    run_prefill(bm, a)
+    blk = a.block_table[0]
+    bm.free_seq(a)
+    parent, toks = bm.block_key[blk]
+    bm.block_key[blk] = (parent, (99, 99, 99, 99))  # simulate a hash hit whose tokens differ
+    b = seq(2, 5)
+    bm.allocate(b, reserve=False)
+    assert b.num_cached == 0
+
+
+def _sched(num_blocks=32, block_size=4, budget=16, admission="reserve", max_seqs=8):
+    cfg = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, admission=admission,
+                       max_num_seqs=max_seqs, max_model_len=64)
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(cfg, bm), bm
+
+
+def _fake_step(sched, out, token=7):
+    sampled = {id(s.seq): token for s in out.scheduled if s.needs_logits}
+    fin = sched.postprocess(out, sampled, lambda q: "length" if len(q.output_ids) >= q.params.max_tokens else None)
+    sched.free_finished(fin)
+    return fin
+
+
+def test_scheduler_budget_chunking_and_decode_first():
+    sched, bm = _sched(budget=16)
+    long = seq(1, 40, max_tokens=2)
+    sched.add(long)
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_new) for s in out.scheduled] == [("1", 16)]
+    assert not out.scheduled[0].needs_logits
+    _fake_step(sched, out)
+    short = seq(2, 3, max_tokens=3, base=500)
+    sched.add(short)
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_new) for s in out.scheduled] == [("1", 16)]
+    _fake_step(sched, out)
+    out = sched.schedule()  # long's last 8 tokens + short admitted with 3
+    assert [(s.seq.seq_id, s.num_new) for s in out.scheduled] == [("1", 8), ("2", 3)]
+    _fake_step(sched, out)
+    out = sched.schedule()  # both decoding now: one token each
+    assert sorted((s.seq.seq_id, s.num_new) for s in out.scheduled) == [("1", 1), ("2", 1)]
+    fin = _fake_step(sched, out)
+    assert [s.seq_id for s in fin] == ["1"]  # max_tokens=2 reached
+    bm.check_invariants()
+
+
+def test_scheduler_max_num_seqs_and_reservation():
+    sched, bm = _sched(num_blocks=8, block_size=4, budget=64, max_seqs=2)
+    seqs = [seq(i, 4, max_tokens=4, base=10 * i) for i in range(4)]  # each needs 2 blocks
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert len(out.scheduled) == 2  # max_num_seqs
+    assert bm.reserved_total == 2
+
+
+def test_scheduler_preemption_recomputes():
+    sched, bm = _sched(num_blocks=4, block_size=4, budget=64, admission="greedy")
+    a, b = seq(1, 7, max_tokens=8), seq(2, 7, max_tokens=8, base=100)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert len(out.scheduled) == 2
+    preempted = False
+    for _ in range(20):
+        out = sched.schedule()
+        if out.preempted:
+            preempted = True
+            victim = out.preempted[0]
+            assert victim.num_computed == 0 and victim.block_table == []
+            assert victim is b  # the newest goes
+        if not out.scheduled:
+            break
+        _fake_step(sched, out)
+        bm.check_invariants()
+    assert preempted
+    assert sched.num_preemptions >= 1
+
+
+def test_request_that_can_never_fit_is_refused():
+    sched, bm = _sched(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.add(seq(1, 6, max_tokens=8))
