@@ -1,0 +1,661 @@
+"""The job file: a YAML document validated into a :class:`JobSpec`.
+
+This is the user boundary, so every model forbids unknown keys and is strict
+about types (``max_tokens: "16"`` is an error, not a silent cast). Every
+problem is reported as a :class:`JobSpecError` whose message names the file,
+the key path and the offending value, one line per problem::
+
+    jobs/x.yaml: model.dtype: 'fp8' is not one of float32, bfloat16, float16
+
+Usage::
+
+    spec = load_job("jobs/papers.yaml", ["model.dtype=float32", "input.limit=3"])
+    spec.model.dtype            # 'float32'
+    spec.to_dict()              # plain, JSON-able dict (parse_job(spec.to_dict()) == spec)
+    job_fingerprint(spec)       # hash of what determines the outputs
+
+Paths: a relative ``input.path`` / ``output.path`` is resolved against the
+current working directory at load time (``~`` is expanded); URLs
+(``s3://``, ``gs://``, ``memory://``, ``file://`` ...) are left as written.
+For ``input.format: hf`` the path is a dataset name unless it exists locally.
+``output.path`` must not be a directory whose deletion (``--fresh``) would be
+a disaster: empty, ``/``, ``~``, the home directory, the working directory or
+any directory above them, or the root of a bucket.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+import os
+import re
+import types
+import typing
+from typing import Any, Iterable, Literal, Mapping, Optional, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from dlbatch.templates import TemplateError, validate_template
+
+__all__ = [
+    "JobSpecError",
+    "ResumeMismatchError",
+    "InputSpec",
+    "OutputSpec",
+    "ModelSpec",
+    "TaskSpec",
+    "SamplingSpec",
+    "RouterSpec",
+    "BatchingSpec",
+    "RetriesSpec",
+    "PoolSpec",
+    "ClusterSpec",
+    "JobSpec",
+    "load_job",
+    "parse_job",
+    "apply_overrides",
+    "fingerprint_fields",
+    "job_fingerprint",
+    "fingerprint_diff",
+    "check_resume_compatible",
+    "is_url",
+]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class JobSpecError(ValueError):
+    """An invalid job file or override. ``problems`` holds ``(key_path, message)``."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = list(problems)
+        lines = []
+        for key, msg in self.problems:
+            lines.append(f"{source}: {key}: {msg}" if key else f"{source}: {msg}")
+        super().__init__("\n".join(lines))
+
+
+class ResumeMismatchError(JobSpecError):
+    """The output directory was written by a job with a different configuration."""
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------- paths
+
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+_BUCKET_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
+
+
+def is_url(path: str) -> bool:
+    """True for ``scheme://...`` (fsspec URLs, including ``file://``)."""
+    return bool(_URL_RE.match(path))
+
+
+def _resolve_local(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _is_same_or_ancestor(candidate: str, of: str) -> bool:
+    candidate = os.path.realpath(candidate)
+    of = os.path.realpath(of)
+    if candidate == of:
+        return True
+    return of.startswith(candidate.rstrip(os.sep) + os.sep)
+
+
+def _check_local_output(raw: str, resolved: str) -> None:
+    real = os.path.realpath(resolved)
+    if real == os.path.realpath(os.sep) or os.path.dirname(real) == real:
+        raise ValueError(f"{raw!r} is the filesystem root; {_OUT_HINT}")
+    home = os.path.expanduser("~")
+    cwd = os.getcwd()
+    for what, where in (("the home directory", home), ("the current directory", cwd)):
+        if _is_same_or_ancestor(real, where):
+            rel = "is" if os.path.realpath(where) == real else "contains"
+            raise ValueError(f"{raw!r} resolves to {real!r}, which {rel} {what}; {_OUT_HINT}")
+
+
+_OUT_HINT = "the output directory is deleted by --fresh, so use a dedicated subdirectory such as 'out/<job>'"
+
+
+def _normalize_output_path(raw: str) -> str:
+    if not raw or not raw.strip():
+        raise ValueError(f"must not be empty; {_OUT_HINT}")
+    if raw.strip() in ("/", "~", "~/", ".", "./"):
+        raise ValueError(f"{raw!r} is not allowed as output path; {_OUT_HINT}")
+    if is_url(raw):
+        scheme, rest = raw.split("://", 1)
+        scheme = scheme.lower()
+        if scheme in ("file", "local"):
+            local = rest or "/"
+            _check_local_output(raw, _resolve_local(local))
+            return raw
+        if not rest.strip("/"):
+            raise ValueError(f"{raw!r} has no path after the scheme; {_OUT_HINT}")
+        if scheme in _BUCKET_SCHEMES and "/" not in rest.strip("/"):
+            raise ValueError(f"{raw!r} is the root of a bucket; {_OUT_HINT}")
+        return raw
+    resolved = _resolve_local(raw)
+    _check_local_output(raw, resolved)
+    return resolved
+
+
+# --------------------------------------------------------------------------- models
+
+_STRICT = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+class InputSpec(BaseModel):
+    model_config = _STRICT
+
+    format: Literal["pdf", "jsonl", "parquet", "text", "hf"] = "pdf"
+    path: str = "samples/papers"
+    text_field: str = Field("text", min_length=1)
+    id_field: Optional[str] = None
+    limit: Optional[int] = Field(None, ge=1)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    max_pages: Optional[int] = Field(None, ge=1)
+
+    @field_validator("path")
+    @classmethod
+    def _resolve_path(cls, value: str, info: ValidationInfo) -> str:
+        if not value or not value.strip():
+            raise ValueError("must not be empty")
+        if is_url(value):
+            return value
+        if info.data.get("format") == "hf" and not os.path.exists(os.path.expanduser(value)):
+            return value  # a dataset name such as "org/name"
+        return _resolve_local(value)
+
+
+class OutputSpec(BaseModel):
+    model_config = _STRICT
+
+    path: str = "out/papers"
+    include_text: bool = False
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("path")
+    @classmethod
+    def _confine(cls, value: str) -> str:
+        return _normalize_output_path(value)
+
+
+class ModelSpec(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field("smollm2-135m-instruct", min_length=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    max_model_len: int = Field(8192, ge=1)
+    chat: Optional[bool] = None
+
+
+class TaskSpec(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
+    prompt: str = Field(min_length=1)
+    max_tokens: int = Field(128, ge=1)
+
+    @model_validator(mode="after")
+    def _check_template(self) -> "TaskSpec":
+        validate_template(self.name, self.prompt)
+        return self
+
+
+def _default_tasks() -> list[TaskSpec]:
+    return [
+        TaskSpec(name="summary", prompt="{{ text }}\n\nSummarize this paper in three sentences.", max_tokens=128),
+        TaskSpec(name="keywords", prompt="{{ text }}\n\nList five keywords of this paper.", max_tokens=32),
+    ]
+
+
+class SamplingSpec(BaseModel):
+    model_config = _STRICT
+
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0)
+
+
+class RouterSpec(BaseModel):
+    model_config = _STRICT
+
+    policy: Literal["prefix_aware", "round_robin", "least_loaded"] = "prefix_aware"
+    window: int = Field(256, ge=1)
+
+
+class BatchingSpec(BaseModel):
+    model_config = _STRICT
+
+    max_batch_tokens: int = Field(8192, ge=1)
+    max_inflight_batches: int = Field(4, ge=1)
+
+
+class RetriesSpec(BaseModel):
+    model_config = _STRICT
+
+    max_attempts: int = Field(3, ge=1)
+
+
+class PoolSpec(BaseModel):
+    model_config = _STRICT
+
+    chip: str = Field(min_length=1)
+    replicas: int = Field(1, ge=1)
+    device: str = Field("cpu", pattern=r"^[a-z][a-z0-9_]*(:[0-9]+)?$")
+    num_cpus: float = Field(1.0, ge=0.0)
+    num_gpus: float = Field(0.0, ge=0.0)
+
+
+_HOST_PORT_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")
+
+
+class ClusterSpec(BaseModel):
+    model_config = _STRICT
+
+    address: Optional[str] = None
+    plan: Optional[str] = None
+    prefill: PoolSpec = Field(default_factory=lambda: PoolSpec(chip="fast"))
+    decode: PoolSpec = Field(default_factory=lambda: PoolSpec(chip="cheap"))
+    colocated: Optional[PoolSpec] = None
+    kv_transport: Literal["auto", "object_store", "shm", "rdt", "dlslime"] = "auto"
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: Optional[str]) -> Optional[str]:
+        if value is None or value == "auto" or value.startswith("ray://") or _HOST_PORT_RE.match(value):
+            return value
+        raise ValueError(
+            f"{value!r} is not a Ray address; use null (embedded local Ray), 'auto', "
+            "'ray://host:port' or 'host:port'"
+        )
+
+    @field_validator("plan")
+    @classmethod
+    def _check_plan(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not value.strip():
+            raise ValueError("must be null, 'auto' or the path to a plan JSON, got ''")
+        return value
+
+    @property
+    def mode(self) -> str:
+        """``"colocated"`` when ``colocated`` is set (it replaces prefill/decode), else ``"disaggregated"``."""
+        return "colocated" if self.colocated is not None else "disaggregated"
+
+    def pools(self) -> dict[str, PoolSpec]:
+        """The worker pools this cluster section asks for, by role."""
+        if self.colocated is not None:
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
+class JobSpec(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
+    pipeline: str = Field(pattern=r"^[a-z_][a-z0-9_]*$")
+    input: InputSpec = Field(default_factory=InputSpec)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    tasks: list[TaskSpec] = Field(default_factory=_default_tasks, min_length=1)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    long_inputs: Literal["truncate", "skip"] = "truncate"
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    retries: RetriesSpec = Field(default_factory=RetriesSpec)
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+
+    _source: str = PrivateAttr(default="<dict>")
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_task_names(cls, tasks: list[TaskSpec]) -> list[TaskSpec]:
+        seen: set[str] = set()
+        for task in tasks:
+            if task.name in seen:
+                raise ValueError(f"duplicate task name {task.name!r}; task names must be unique")
+            seen.add(task.name)
+        return tasks
+
+    def __eq__(self, other: object) -> bool:
+        # settings only: the same job loaded from two places is the same job
+        if isinstance(other, JobSpec):
+            return self.model_dump() == other.model_dump()
+        return NotImplemented
+
+    __hash__ = None  # mutable, like every pydantic model
+
+    @property
+    def source(self) -> str:
+        """The file (or ``"<dict>"``) this spec was loaded from."""
+        return self._source
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain JSON-able dict; ``parse_job(spec.to_dict())`` gives an equal spec."""
+        return self.model_dump(mode="json")
+
+
+# --------------------------------------------------------------------------- model walking
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _annotation_at(loc: Iterable[Any]) -> Any:
+    """The type annotation at a key path of JobSpec (None when it cannot be followed)."""
+    current: Any = JobSpec
+    for part in loc:
+        current = _unwrap_optional(current)
+        if _is_model(current):
+            field = current.model_fields.get(str(part))
+            if field is None:
+                return None
+            current = field.annotation
+        elif typing.get_origin(current) is list and isinstance(part, int):
+            current = typing.get_args(current)[0]
+        else:
+            return None
+    return _unwrap_optional(current)
+
+
+def _known_keys_message(model: Any, bad_key: str) -> str:
+    if not _is_model(model):
+        return ""
+    keys = list(model.model_fields)
+    hint = ""
+    close = difflib.get_close_matches(bad_key, keys, n=1)
+    if close:
+        hint = f"did you mean {close[0]!r}? "
+    return f" ({hint}known keys: {', '.join(keys)})"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _problem_from_error(err: Mapping[str, Any]) -> tuple[str, str]:
+    loc = tuple(err.get("loc", ()))
+    key = ".".join(str(p) for p in loc)
+    kind = err.get("type", "")
+    value = err.get("input")
+    ctx = err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        parent = _annotation_at(loc[:-1])
+        return key, f"unknown key{_known_keys_message(parent, str(loc[-1]) if loc else '')}"
+    if kind == "missing":
+        return key, "required key is missing"
+    if kind == "literal_error":
+        options = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        return key, f"{_short(value)} is not one of {', '.join(options)}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return key, f"expected a mapping, got {_short(value)}"
+    if kind == "string_pattern_mismatch":
+        return key, f"{_short(value)} does not match the pattern {ctx.get('pattern')}"
+    if kind == "too_short" and isinstance(value, list):
+        return key, f"needs at least {ctx.get('min_length', 1)} item(s), got {len(value)}"
+    if kind == "list_type":
+        return key, f"expected a list, got {_short(value)}"
+    if kind == "value_error":
+        cause = ctx.get("error")
+        if isinstance(cause, TemplateError) and loc and not key.endswith(".prompt"):
+            key += ".prompt"
+        return key, str(cause) if cause is not None else err.get("msg", "")
+    msg = str(err.get("msg", "invalid value"))
+    msg = msg[:1].lower() + msg[1:]
+    return key, f"{msg}, got {_short(value)}"
+
+
+def parse_job(data: Mapping[str, Any], source: str = "<dict>") -> JobSpec:
+    """Validate a job dict; raise :class:`JobSpecError` naming ``source``, key path and value."""
+    if not isinstance(data, Mapping):
+        raise JobSpecError(source, [("", f"a job file must be a mapping at the top level, got {type(data).__name__}")])
+    try:
+        spec = JobSpec.model_validate(dict(data))
+    except ValidationError as e:
+        raise JobSpecError(source, [_problem_from_error(err) for err in e.errors()]) from None
+    spec._source = source
+    return spec
+
+
+def _read_text(source: str, storage_options: Optional[Mapping[str, Any]] = None) -> str:
+    try:
+        if is_url(source):
+            import fsspec
+
+            with fsspec.open(source, "rt", encoding="utf-8", **dict(storage_options or {})) as f:
+                return f.read()
+        with open(source, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise JobSpecError(source, [("", "job file not found")]) from None
+    except IsADirectoryError:
+        raise JobSpecError(source, [("", "is a directory, not a job file")]) from None
+    except UnicodeDecodeError as e:
+        raise JobSpecError(source, [("", f"job file is not UTF-8 text ({e.reason} at byte {e.start})")]) from None
+
+
+def load_job(
+    path_or_url: Union[str, os.PathLike],
+    overrides: Iterable[str] = (),
+    storage_options: Optional[Mapping[str, Any]] = None,
+) -> JobSpec:
+    """Read a YAML job file (local path or fsspec URL), apply ``--set`` overrides, validate.
+
+    Only ``yaml.safe_load`` is used: tags such as ``!!python/object`` are errors.
+    """
+    source = os.fspath(path_or_url)
+    text = _read_text(source, storage_options)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = " ".join(p for p in (e.context, e.problem) if p)
+        raise JobSpecError(source, [("", f"{where}invalid YAML: {problem}")]) from None
+    except yaml.YAMLError as e:
+        raise JobSpecError(source, [("", f"invalid YAML: {e}")]) from None
+    if data is None:
+        raise JobSpecError(source, [("", "the job file is empty")])
+    if not isinstance(data, dict):
+        raise JobSpecError(source, [("", f"a job file must be a mapping at the top level, got {type(data).__name__}")])
+    data = apply_overrides(data, overrides, source=source)
+    return parse_job(data, source=source)
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def _default_as_data(field: Any) -> Any:
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, BaseModel):
+        return default.model_dump(mode="json", exclude_unset=True)
+    if isinstance(default, list):
+        return [d.model_dump(mode="json", exclude_unset=True) if isinstance(d, BaseModel) else copy.deepcopy(d) for d in default]
+    if default is None:
+        return None
+    return copy.deepcopy(default)
+
+
+def apply_overrides(
+    data: Mapping[str, Any], overrides: Iterable[str], source: str = "<overrides>"
+) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``"key.path=value"`` applied.
+
+    ``value`` is parsed with ``yaml.safe_load`` (``3`` is an int, ``null`` is
+    None, ``{chip: fast}`` a mapping). Key paths follow the JobSpec schema, so
+    a key the job file leaves at its default can still be set; list items are
+    addressed by index (``tasks.0.max_tokens=16``). An item without ``=`` or a
+    key path the schema does not have raises :class:`JobSpecError`.
+    """
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    result: dict[str, Any] = copy.deepcopy(dict(data))
+    for item in overrides:
+        _apply_one(result, item, source)
+    return result
+
+
+def _apply_one(root: dict, item: str, source: str) -> None:
+    def fail(msg: str) -> JobSpecError:
+        return JobSpecError(source, [("", f"--set {item!r}: {msg}")])
+
+    if "=" not in item:
+        raise fail("expected KEY.PATH=VALUE, e.g. model.dtype=float32")
+    key, raw_value = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise fail(f"empty key path {key!r}")
+    try:
+        value = yaml.safe_load(raw_value)
+    except yaml.YAMLError as e:
+        raise fail(
+            f"value {raw_value!r} is not valid YAML ({str(e).splitlines()[0]}); "
+            f"to pass it as a string, quote it: {key}='\"...\"'"
+        ) from None
+
+    parts = key.split(".")
+    node: Any = root
+    annotation: Any = JobSpec
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        here = ".".join(parts[:i]) or "the job"
+        annotation = _unwrap_optional(annotation)
+        if _is_model(annotation):
+            if part not in annotation.model_fields:
+                raise fail(f"unknown key {part!r} in {here}{_known_keys_message(annotation, part)}")
+            if not isinstance(node, dict):
+                raise fail(f"{here} is not a mapping in the job file (it is {_short(node)})")
+            field = annotation.model_fields[part]
+            if last:
+                node[part] = value
+                return
+            child = node.get(part)
+            if child is None:
+                child = _default_as_data(field)
+                if child is None:
+                    child = {}
+                node[part] = child
+            node = child
+            annotation = field.annotation
+        elif typing.get_origin(annotation) is list:
+            if not isinstance(node, list):
+                raise fail(f"{here} is not a list in the job file (it is {_short(node)})")
+            if not re.fullmatch(r"-?[0-9]+", part):
+                raise fail(f"{here} is a list; {part!r} is not an index")
+            index = int(part)
+            if not -len(node) <= index < len(node):
+                raise fail(f"index {index} is out of range for {here} ({len(node)} items)")
+            if last:
+                node[index] = value
+                return
+            node = node[index]
+            annotation = typing.get_args(annotation)[0]
+        elif typing.get_origin(annotation) is dict or annotation is Any:
+            if not isinstance(node, dict):
+                raise fail(f"{here} is not a mapping in the job file (it is {_short(node)})")
+            if last:
+                node[part] = value
+                return
+            node = node.setdefault(part, {})
+            annotation = Any
+        else:
+            raise fail(f"{here} is a single value, it has no key {part!r}")
+
+
+# --------------------------------------------------------------------------- fingerprint
+
+
+def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
+    """The settings that determine a job's outputs, as a flat ``{key.path: value}`` dict.
+
+    Throughput knobs (cluster, router, batching, retries, input.limit) are
+    left out: changing them and resuming gives the same rows.
+    """
+    fields: dict[str, Any] = {
+        "model.name": spec.model.name,
+        "model.dtype": spec.model.dtype,
+        "model.max_model_len": spec.model.max_model_len,
+        "model.chat": spec.model.chat,
+        "sampling.temperature": spec.sampling.temperature,
+        "sampling.top_p": spec.sampling.top_p,
+        "sampling.top_k": spec.sampling.top_k,
+        "sampling.seed": spec.sampling.seed,
+        "long_inputs": spec.long_inputs,
+        "input.format": spec.input.format,
+        "input.path": spec.input.path,
+        "input.text_field": spec.input.text_field,
+        "input.id_field": spec.input.id_field,
+        "input.max_pages": spec.input.max_pages,
+        "output.include_text": spec.output.include_text,
+        "tasks": [t.name for t in spec.tasks],
+    }
+    for task in spec.tasks:
+        fields[f"tasks.{task.name}.prompt"] = task.prompt
+        fields[f"tasks.{task.name}.max_tokens"] = task.max_tokens
+    return fields
+
+
+def job_fingerprint(spec: JobSpec) -> str:
+    """sha256 (hex) of :func:`fingerprint_fields`; equal specs give equal fingerprints."""
+    canonical = json.dumps(fingerprint_fields(spec), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+_ABSENT = object()
+
+
+def fingerprint_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """Human-readable changes between two :func:`fingerprint_fields` dicts."""
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if a == b:
+            continue
+        left = "(absent)" if a is _ABSENT else _short(a, 60)
+        right = "(absent)" if b is _ABSENT else _short(b, 60)
+        changes.append(f"{key}: {left} -> {right}")
+    return changes
+
+
+def check_resume_compatible(stored_fields: Mapping[str, Any], spec: JobSpec, output: Optional[str] = None) -> None:
+    """Raise :class:`ResumeMismatchError` when ``spec`` differs from the job that wrote the output.
+
+    ``stored_fields`` is the :func:`fingerprint_fields` dict saved with the output.
+    """
+    changes = fingerprint_diff(stored_fields, fingerprint_fields(spec))
+    if changes:
+        where = output or spec.output.path
+        raise ResumeMismatchError(
+            spec.source,
+            [("", f"cannot resume into {where!r}: it was written by a different job configuration "
+                  "(rerun with --fresh to start over, or choose another output.path); changed: "
+                  + "; ".join(changes))],
+        )
