@@ -1,0 +1,150 @@
+"""Input listing and per-file reading through fsspec.
+
+``list_inputs(path, format)`` accepts a local directory, a glob, a single file, or any fsspec
+URL (``s3://``, ``gs://``, ``memory://``, ``file://``) and returns a sorted, de-duplicated list
+of file URLs (plain absolute paths for the local filesystem, ``proto://...`` otherwise).
+Files and folders whose name starts with ``_`` or ``.`` (``_tmp/``, ``_SUCCESS``,
+``.ipynb_checkpoints``) are skipped when walking a directory.
+
+``read_document_file(url, format, ...)`` yields the rows of one listed input.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+from .io_retry import call_with_retry
+
+FORMAT_EXTENSIONS: dict[str, tuple[str, ...]] = {
+    "pdf": (".pdf",),
+    "jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"),
+    "parquet": (".parquet",),
+    "text": (".txt", ".md"),
+    "hf": (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet"),  # or a saved-dataset dir
+}
+FORMATS = tuple(FORMAT_EXTENSIONS)
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def _check_format(format: str) -> tuple[str, ...]:
+    try:
+        return FORMAT_EXTENSIONS[format]
+    except KeyError:
+        raise ValueError(f"unknown input format {format!r}; expected one of {list(FORMATS)}") from None
+
+
+def _url_to_fs(path: str, storage_options: dict | None):
+    import fsspec
+
+    return fsspec.core.url_to_fs(path, **(storage_options or {}))
+
+
+def _public(fs, p: str) -> str:
+    """A path fsspec gave back -> the URL we hand out (plain path for local files)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(fs, LocalFileSystem):
+        return fs._strip_protocol(p)
+    return fs.unstrip_protocol(p)
+
+
+def _hidden(relative: str) -> bool:
+    return any(part.startswith(("_", ".")) for part in relative.split("/") if part)
+
+
+def _matches(p: str, exts: tuple[str, ...]) -> bool:
+    return p.lower().endswith(exts)
+
+
+def list_inputs(path: str, format: str, storage_options: dict | None = None) -> list[str]:
+    """Sorted input file URLs for ``format`` under ``path`` (dir, glob, file or URL).
+
+    Raises FileNotFoundError naming ``path`` when it does not exist or nothing matches,
+    ValueError for an unknown format.
+    """
+    exts = _check_format(format)
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"input path must be a non-empty string, got {path!r}")
+    fs, root = _url_to_fs(path, storage_options)
+    if hasattr(fs, "invalidate_cache"):
+        fs.invalidate_cache()  # an object-store listing cache must not hide new files
+
+    if _GLOB_CHARS.search(root):
+        matched = call_with_retry(fs.glob, root, op=f"glob {path}")
+        files: list[str] = []
+        for m in matched:
+            if call_with_retry(fs.isdir, m, op=f"isdir {m}"):
+                files.extend(_walk(fs, m, exts, format))
+            elif _matches(m, exts):
+                files.append(m)
+        if not matched:
+            raise FileNotFoundError(f"no files match the glob {path!r}")
+    elif call_with_retry(fs.isdir, root, op=f"isdir {path}"):
+        files = _walk(fs, root, exts, format)
+    elif call_with_retry(fs.exists, root, op=f"exists {path}"):
+        files = [root]  # a file named explicitly is taken whatever its extension
+    else:
+        raise FileNotFoundError(f"input path does not exist: {path!r}")
+
+    urls = sorted({_public(fs, f) for f in files})
+    if not urls:
+        raise FileNotFoundError(f"no {format} inputs ({', '.join(exts)}"
+                                f"{' or a saved dataset directory' if format == 'hf' else ''}) "
+                                f"found under {path!r}")
+    return urls
+
+
+def _walk(fs, root: str, exts: tuple[str, ...], format: str) -> list[str]:
+    if format == "hf":
+        from .text_sources import is_saved_dataset_dir
+
+        if is_saved_dataset_dir(root, fs=fs):
+            return [root]
+    root_clean = root.rstrip("/")
+    found = call_with_retry(fs.find, root_clean, op=f"find {root}")
+    out = []
+    for f in found:
+        rel = f[len(root_clean):] if f.startswith(root_clean) else f
+        if not _hidden(rel) and _matches(f, exts):
+            out.append(f)
+    return out
+
+
+def read_document_file(url: str, format: str, text_field: str = "text", id_field: str | None = None,
+                       storage_options: dict | None = None, *, max_pages: int | None = None,
+                       errors: str = "strict", title_field: str | None = "title",
+                       split: str | None = None) -> Iterator[dict]:
+    """Rows of one input (a URL returned by :func:`list_inputs`).
+
+    pdf -> one row (connectors.pdf.extract_pdf; ``max_pages`` caps pages read);
+    jsonl / parquet -> one row per record; text -> one row per file (``errors``);
+    hf -> rows of a saved dataset or data file (``split`` picks a DatasetDict split).
+    Infrastructure errors (missing file after retries, permission) raise; bad content
+    becomes error rows.
+    """
+    _check_format(format)
+    fs, fspath = _url_to_fs(url, storage_options)
+    if format == "pdf":
+        from .pdf import extract_pdf
+
+        data = call_with_retry(fs.cat_file, fspath, op=f"read {url}")
+        yield extract_pdf(data, url, max_pages=max_pages)
+    elif format == "jsonl":
+        from .text_sources import read_jsonl
+
+        yield from read_jsonl(url, text_field, id_field, fs=fs, title_field=title_field)
+    elif format == "parquet":
+        from .text_sources import read_parquet
+
+        yield from read_parquet(url, text_field, id_field, fs=fs, title_field=title_field)
+    elif format == "text":
+        from .text_sources import read_text
+
+        yield from read_text(url, fs=fs, id_field=id_field, errors=errors)
+    else:  # hf
+        from .text_sources import read_hf
+
+        yield from read_hf(url, text_field, id_field, split=split, title_field=title_field,
+                           storage_options=storage_options)

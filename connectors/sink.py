@@ -1,0 +1,135 @@
+"""Atomic, idempotent Parquet commits to any fsspec destination.
+
+``write_parquet_atomic(table, dest_dir_url, filename)``:
+  1. serialise the table to Parquet bytes in memory (deterministic for equal tables);
+  2. if ``dest/filename`` already exists with the same bytes: nothing to do (a rerun that
+     commits the same shard twice leaves one file); with different bytes: FileExistsError
+     unless ``on_conflict="overwrite"``;
+  3. write ``dest/_tmp/<uuid>.parquet``, then move it to ``dest/filename`` (a rename on
+     local disk; copy + delete on object stores, where the final object appears at once,
+     complete, when the copy finishes); the temporary object is removed.
+Readers (``list_committed`` / ``read_committed``) ignore ``_tmp/`` and every other name
+starting with ``_`` or ``.``, so a crash at any point leaves nothing half-visible.
+Every filesystem call goes through connectors.io_retry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+
+from .io_retry import call_with_retry
+
+log = logging.getLogger(__name__)
+
+TMP_DIR = "_tmp"
+
+
+def _url_to_fs(url: str, storage_options: dict | None):
+    import fsspec
+
+    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
+
+
+def _public(fs, p: str) -> str:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return fs._strip_protocol(p) if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(p)
+
+
+def table_to_parquet_bytes(table, compression: str = "zstd") -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression=compression)
+    return sink.getvalue().to_pybytes()
+
+
+def _check_filename(filename: str) -> None:
+    if (not isinstance(filename, str) or not filename or "/" in filename or "\\" in filename
+            or filename.startswith(("_", ".")) or not filename.endswith(".parquet")):
+        raise ValueError(f"filename must be a plain '<name>.parquet' not starting with '_' or '.', "
+                         f"got {filename!r}")
+
+
+def write_parquet_atomic(table, dest_dir_url: str, filename: str, storage_options: dict | None = None,
+                         *, on_conflict: str = "error", compression: str = "zstd") -> str:
+    """Commit ``table`` as ``dest_dir_url/filename``; returns the committed file's URL."""
+    _check_filename(filename)
+    if on_conflict not in ("error", "overwrite"):
+        raise ValueError(f"on_conflict must be 'error' or 'overwrite', got {on_conflict!r}")
+    fs, root = _url_to_fs(dest_dir_url, storage_options)
+    final = _join(root, filename)
+    data = table_to_parquet_bytes(table, compression=compression)
+    digest = hashlib.sha256(data).hexdigest()
+
+    if hasattr(fs, "invalidate_cache"):
+        fs.invalidate_cache(final)
+    if call_with_retry(fs.exists, final, op=f"exists {final}"):
+        existing = call_with_retry(fs.cat_file, final, op=f"read {final}")
+        if hashlib.sha256(existing).hexdigest() == digest:
+            log.info("%s already committed with identical content; skipping", _public(fs, final))
+            return _public(fs, final)
+        if on_conflict == "error":
+            raise FileExistsError(f"{_public(fs, final)} is already committed with different content "
+                                  f"({len(existing)} bytes vs {len(data)}); pass "
+                                  f"on_conflict='overwrite' to replace it")
+        log.warning("overwriting %s with different content", _public(fs, final))
+
+    tmp_dir = _join(root, TMP_DIR)
+    tmp = _join(tmp_dir, f"{uuid.uuid4().hex}.parquet")
+    call_with_retry(fs.makedirs, tmp_dir, exist_ok=True, op=f"makedirs {tmp_dir}")
+    call_with_retry(fs.pipe_file, tmp, data, op=f"write {tmp}")
+    try:
+        call_with_retry(fs.mv, tmp, final, op=f"commit {final}")
+    finally:
+        # on object stores mv is copy + delete; make sure no temp object lingers
+        try:
+            if fs.exists(tmp):
+                fs.rm_file(tmp)
+        except OSError as exc:  # a leftover under _tmp/ is harmless: readers skip it
+            log.warning("could not remove temporary %s: %s", tmp, exc)
+    if hasattr(fs, "invalidate_cache"):
+        fs.invalidate_cache(root)
+    return _public(fs, final)
+
+
+def list_committed(dest_dir_url: str, storage_options: dict | None = None) -> list[str]:
+    """Sorted URLs of committed ``*.parquet`` files under ``dest_dir_url`` (recursively),
+    ignoring ``_tmp/`` and anything else whose name starts with ``_`` or ``.``."""
+    fs, root = _url_to_fs(dest_dir_url, storage_options)
+    if hasattr(fs, "invalidate_cache"):
+        fs.invalidate_cache()
+    root = root.rstrip("/")
+    if not call_with_retry(fs.exists, root, op=f"exists {root}"):
+        return []
+    found = call_with_retry(fs.find, root, op=f"find {root}")
+    out = []
+    for f in found:
+        rel = f[len(root):] if f.startswith(root) else f
+        if f.endswith(".parquet") and not any(p.startswith(("_", ".")) for p in rel.split("/") if p):
+            out.append(_public(fs, f))
+    return sorted(out)
+
+
+def read_committed(dest_dir_url: str, storage_options: dict | None = None, columns: list[str] | None = None):
+    """All committed files under ``dest_dir_url`` as one pyarrow Table (empty table if none)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = []
+    for url in list_committed(dest_dir_url, storage_options):
+        fs, p = _url_to_fs(url, storage_options)
+        data = call_with_retry(fs.cat_file, p, op=f"read {url}")
+        tables.append(pq.read_table(io.BytesIO(data), columns=columns))
+    if not tables:
+        return pa.table({})
+    return pa.concat_tables(tables, promote_options="default")

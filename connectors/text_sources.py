@@ -1,0 +1,321 @@
+"""Readers for record-style and plain-text sources: JSONL, Parquet, text/markdown, HF datasets.
+
+Every reader is a generator of rows (connectors/records.py). Bad records become error rows
+with the line/row number in ``source`` and ``error``; they never stop the file:
+
+* JSONL: a line that is not valid UTF-8 -> DecodeError; not JSON or not an object ->
+  MalformedJSON; text field absent/null -> MissingField; text not a string -> BadFieldType;
+  empty text -> EmptyDocument; ``id_field`` given but absent -> MissingField.
+* Parquet / HF datasets: the same per-row rules; an unreadable Parquet file -> one
+  CorruptFile row.
+* Text: one document per file; non-UTF-8 -> DecodeError (unless errors="replace").
+
+``source`` is ``<path>#line<N>`` (1-based) for JSONL and ``<path>#row<N>`` (0-based) for
+Parquet and datasets (``<path>#<split>/row<N>`` for a DatasetDict).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from typing import Any, Iterator
+
+from .ids import content_id, id_from_field
+from .io_retry import call_with_retry
+from .records import (BAD_FIELD_TYPE, CORRUPT_FILE, DECODE_ERROR, EMPTY_DOCUMENT, MALFORMED_JSON,
+                      MISSING_FIELD, error_row, ok_row)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEXT_FIELD = "text"
+DEFAULT_TITLE_FIELD = "title"
+
+
+def _fs_for(path: str, fs, storage_options: dict | None = None):
+    if fs is not None:
+        return fs
+    import fsspec
+
+    fs, _ = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    return fs
+
+
+def _open(fs, path: str, compression: str | None = None):
+    """Open for reading, retrying transient errors on the open."""
+    def do_open():
+        return fs.open(path, "rb", compression=compression) if compression else fs.open(path, "rb")
+    return call_with_retry(do_open, op=f"open {path}")
+
+
+def _compression_for(path: str) -> str | None:
+    lower = path.lower()
+    if lower.endswith(".gz"):
+        return "gzip"
+    if lower.endswith(".bz2"):
+        return "bz2"
+    if lower.endswith(".zst"):
+        return "zstd"
+    if lower.endswith(".xz"):
+        return "xz"
+    return None
+
+
+def record_to_row(record: Any, source: str, text_field: str = DEFAULT_TEXT_FIELD,
+                  id_field: str | None = None, title_field: str | None = DEFAULT_TITLE_FIELD,
+                  raw: bytes | str | None = None) -> dict:
+    """Turn one mapping into a row (or an error row); shared by JSONL/Parquet/HF readers."""
+    if not isinstance(record, dict):
+        return error_row(source=source, raw=raw if raw is not None else repr(record),
+                         error_type=MALFORMED_JSON,
+                         error=f"record is a JSON {type(record).__name__}, not an object")
+    raw_for_id = raw if raw is not None else json.dumps(record, sort_keys=True, default=str)
+    doc_id = None
+    if id_field:
+        doc_id = id_from_field(record.get(id_field))
+        if doc_id is None:
+            return error_row(source=source, raw=raw_for_id, error_type=MISSING_FIELD,
+                             error=f"id field {id_field!r} is missing or empty")
+    title = record.get(title_field) if title_field else None
+    title = title.strip() or None if isinstance(title, str) else None
+    text = record.get(text_field)
+    if text is None:
+        keys = ", ".join(sorted(map(str, record))[:10])
+        return error_row(source=source, raw=raw_for_id, doc_id=doc_id, title=title,
+                         error_type=MISSING_FIELD,
+                         error=f"text field {text_field!r} is missing or null (keys: {keys})")
+    if not isinstance(text, str):
+        return error_row(source=source, raw=raw_for_id, doc_id=doc_id, title=title,
+                         error_type=BAD_FIELD_TYPE,
+                         error=f"text field {text_field!r} is a {type(text).__name__}, not a string")
+    if not text.strip():
+        return error_row(source=source, raw=raw_for_id, doc_id=doc_id, title=title,
+                         error_type=EMPTY_DOCUMENT, error=f"text field {text_field!r} is empty")
+    return ok_row(doc_id=doc_id, source=source, text=text, title=title)
+
+
+# ------------------------------------------------------------------ JSONL
+
+
+def read_jsonl(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | None = None,
+               fs=None, title_field: str | None = DEFAULT_TITLE_FIELD,
+               storage_options: dict | None = None) -> Iterator[dict]:
+    """One row per non-blank line of a JSON Lines file (``.jsonl``, ``.json``, ``.jsonl.gz``)."""
+    fs = _fs_for(path, fs, storage_options)
+    with _open(fs, path, _compression_for(path)) as f:
+        for number, raw in enumerate(f, start=1):
+            raw = raw.rstrip(b"\r\n")
+            if not raw.strip():
+                continue
+            source = f"{path}#line{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield error_row(source=source, raw=raw, error_type=DECODE_ERROR,
+                                error=f"line {number}: not valid UTF-8 at byte {exc.start}")
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield error_row(source=source, raw=raw, error_type=MALFORMED_JSON,
+                                error=f"line {number}: invalid JSON: {exc.msg} (column {exc.colno})")
+                continue
+            row = record_to_row(record, source, text_field, id_field, title_field, raw=raw)
+            if row["error"] and not row["error"].startswith("line "):
+                row["error"] = f"line {number}: {row['error']}"
+            yield row
+
+
+# ------------------------------------------------------------------ Parquet
+
+
+def read_parquet(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | None = None,
+                 fs=None, title_field: str | None = DEFAULT_TITLE_FIELD,
+                 storage_options: dict | None = None, batch_size: int = 1024) -> Iterator[dict]:
+    """One row per Parquet row; only the text/id/title columns are read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs = _fs_for(path, fs, storage_options)
+    with _open(fs, path) as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except (pa.ArrowException, OSError) as exc:
+            if isinstance(exc, OSError) and not isinstance(exc, pa.ArrowException):
+                raise
+            yield error_row(source=path, raw=path, error_type=CORRUPT_FILE,
+                            error=f"unreadable Parquet file: {exc}"[:300])
+            return
+        names = set(pf.schema_arrow.names)
+        wanted = [c for c in dict.fromkeys([text_field, id_field, title_field]) if c and c in names]
+        if text_field not in names:
+            log.warning("%s: text field %r is not a column (columns: %s)", path, text_field,
+                        sorted(names))
+        index = 0
+        if not wanted:  # nothing we need exists: every row is a MissingField row
+            for _ in range(pf.metadata.num_rows):
+                yield record_to_row({}, f"{path}#row{index}", text_field, id_field, title_field,
+                                    raw=f"{path}#row{index}")
+                index += 1
+            return
+        for batch in pf.iter_batches(batch_size=batch_size, columns=wanted):
+            for record in batch.to_pylist():
+                source = f"{path}#row{index}"
+                yield record_to_row(record, source, text_field, id_field, title_field,
+                                    raw=None if record.get(text_field) else source)
+                index += 1
+
+
+# ------------------------------------------------------------------ text
+
+
+def read_text(path: str, text_field: str | None = None, id_field: str | None = None,
+              fs=None, errors: str = "strict", storage_options: dict | None = None) -> Iterator[dict]:
+    """One row for the whole file. ``errors="replace"`` decodes bad bytes as U+FFFD instead
+    of yielding a DecodeError row. For ``.md`` the first ``# `` heading is the title."""
+    if id_field:
+        raise ValueError(f"id_field={id_field!r} is not supported for text files: "
+                         "their doc_id is the hash of their content")
+    if errors not in ("strict", "replace"):
+        raise ValueError(f"errors must be 'strict' or 'replace', got {errors!r}")
+    fs = _fs_for(path, fs, storage_options)
+    compression = _compression_for(path)
+
+    def fetch() -> bytes:
+        with _open(fs, path, compression) as f:
+            return f.read()
+
+    data = call_with_retry(fetch, op=f"read {path}")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        if errors == "strict":
+            yield error_row(source=path, raw=data, error_type=DECODE_ERROR,
+                            error=f"not valid UTF-8 at byte {exc.start} "
+                                  f"(byte 0x{data[exc.start]:02x}); pass errors='replace' to accept")
+            return
+        text = data.decode("utf-8-sig", errors="replace")
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if not text.strip():
+        yield error_row(source=path, raw=data, error_type=EMPTY_DOCUMENT, error="file has no text")
+        return
+    title = None
+    if path.lower().endswith((".md", ".markdown")):
+        for line in text.splitlines():
+            if line.startswith("# "):
+                title = line[2:].strip() or None
+                break
+    yield ok_row(doc_id=None, source=path, text=text, title=title)
+
+
+# ------------------------------------------------------------------ Hugging Face datasets
+
+_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+@contextlib.contextmanager
+def hf_offline():
+    """No hub access inside: sets HF_HUB_OFFLINE / HF_DATASETS_OFFLINE in the environment
+    and in the already-imported config modules, and restores both afterwards."""
+    keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    saved_env = {k: os.environ.get(k) for k in keys}
+    for k in keys:
+        os.environ[k] = "1"
+    patched: list[tuple[Any, str, Any]] = []
+    try:
+        import datasets.config as dcfg
+        import huggingface_hub.constants as hcst
+
+        for mod, attr in ((dcfg, "HF_HUB_OFFLINE"), (dcfg, "HF_DATASETS_OFFLINE"), (hcst, "HF_HUB_OFFLINE")):
+            if hasattr(mod, attr):
+                patched.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, True)
+        yield
+    finally:
+        for mod, attr, value in patched:
+            setattr(mod, attr, value)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def is_saved_dataset_dir(path: str, fs=None, storage_options: dict | None = None) -> bool:
+    fs = _fs_for(path, fs, storage_options)
+    try:
+        if not fs.isdir(path):
+            return False
+        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+    except FileNotFoundError:
+        return False
+    return "dataset_dict.json" in names or {"dataset_info.json", "state.json"} <= names
+
+
+def _builder_for(path: str) -> str | None:
+    lower = path.lower()
+    if lower.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
+        return "json"
+    if lower.endswith(".parquet"):
+        return "parquet"
+    return None
+
+
+def read_hf(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | None = None,
+            split: str | None = None, title_field: str | None = DEFAULT_TITLE_FIELD,
+            storage_options: dict | None = None) -> Iterator[dict]:
+    """Rows from a dataset saved with ``save_to_disk`` (``datasets.load_from_disk``) or from
+    local JSON/Parquet data files (``datasets.load_dataset(builder, data_files=...)``).
+    Never touches the hub. A JSON data file that ``datasets`` cannot parse is re-read line
+    by line with :func:`read_jsonl`, so bad lines become error rows."""
+    with hf_offline():
+        import datasets
+
+        if is_saved_dataset_dir(path, storage_options=storage_options):
+            ds = call_with_retry(datasets.load_from_disk, path, storage_options=storage_options,
+                                 op=f"load_from_disk {path}")
+            yield from _iter_dataset(ds, path, text_field, id_field, split, title_field)
+            return
+        builder = _builder_for(path)
+        if builder is None:
+            raise ValueError(f"{path}: not a saved dataset directory (no dataset_info.json + "
+                             f"state.json, or dataset_dict.json) and not a .json/.jsonl/.parquet "
+                             f"data file")
+        with tempfile.TemporaryDirectory(prefix="dlbatch-hf-") as cache_dir:
+            try:
+                ds = datasets.load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir,
+                                           storage_options=storage_options)
+            except datasets.exceptions.DatasetGenerationError as exc:
+                if builder != "json":
+                    raise
+                log.warning("%s: datasets could not parse it (%s); reading line by line", path,
+                            str(exc).splitlines()[0][:200])
+                yield from read_jsonl(path, text_field, id_field, title_field=title_field,
+                                      storage_options=storage_options)
+                return
+            yield from _iter_dataset(ds, path, text_field, id_field, split, title_field)
+
+
+def _iter_dataset(ds, path: str, text_field: str, id_field: str | None, split: str | None,
+                  title_field: str | None) -> Iterator[dict]:
+    import datasets
+
+    if isinstance(ds, datasets.DatasetDict):
+        if split is not None and split not in ds:
+            raise ValueError(f"{path}: no split {split!r} (splits: {sorted(ds)})")
+        for name in ([split] if split else sorted(ds)):
+            yield from _iter_split(ds[name], f"{path}#{name}/row", text_field, id_field, title_field)
+    else:
+        yield from _iter_split(ds, f"{path}#row", text_field, id_field, title_field)
+
+
+def _iter_split(ds, prefix: str, text_field: str, id_field: str | None,
+                title_field: str | None) -> Iterator[dict]:
+    columns = [c for c in dict.fromkeys([text_field, id_field, title_field]) if c and c in ds.column_names]
+    records = iter(ds.select_columns(columns)) if columns else ({} for _ in range(len(ds)))
+    for index, record in enumerate(records):
+        source = f"{prefix}{index}"
+        yield record_to_row(record, source, text_field, id_field, title_field,
+                            raw=None if record.get(text_field) else source)
