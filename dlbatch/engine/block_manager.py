@@ -36,6 +36,9 @@ class BlockManager:
         self.block_hash: dict[int, int] = {}
         self.hash_to_block: dict[int, int] = {}
         self.reserved_total = 0
+        # full prompt blocks being computed right now: hash -> owning sequence id. A new
+        # sequence whose next block is among them waits a step and then hits the cache.
+        self.pending: dict[int, str] = {}
         # counters
         self.prefix_queries = 0
         self.prefix_hit_tokens = 0
@@ -128,6 +131,13 @@ class BlockManager:
         now = cdiv(len(seq), self.block_size) - len(hits)
         for _ in range(now):
             seq.block_table.append(self._take())
+        if self.enable_prefix_caching:
+            bs = self.block_size
+            ids = seq.all_ids
+            h = parent
+            for i in range(len(hits), len(ids) // bs):
+                h = chain_hash(h, tuple(ids[i * bs:(i + 1) * bs]))
+                self.pending.setdefault(h, seq.seq_id)
         if reserve:
             seq.reserved = need - now
             self.reserved_total += seq.reserved
@@ -158,12 +168,32 @@ class BlockManager:
             h = chain_hash(parent, toks)
             b = seq.block_table[i]
             seq.block_hashes.append(h)
+            if self.pending.get(h) == seq.seq_id:
+                del self.pending[h]
             if b not in self.block_hash and h not in self.hash_to_block:
                 self.block_hash[b] = h
                 self.hash_to_block[h] = b
                 self.block_key[b] = (parent, toks)
 
+    def prefix_pending(self, seq: Sequence) -> bool:
+        """True when the block right after `seq`'s cached prefix is being computed by
+        another running sequence: admitting `seq` now would compute it twice."""
+        if not self.enable_prefix_caching or not self.pending:
+            return False
+        ids = seq.all_ids
+        bs = self.block_size
+        hits = self.match_prefix(ids)
+        i = len(hits)
+        if (i + 1) * bs > len(ids) - 1:
+            return False
+        parent = self.block_hash[hits[-1]] if hits else None
+        owner = self.pending.get(chain_hash(parent, tuple(ids[i * bs:(i + 1) * bs])))
+        return owner is not None and owner != seq.seq_id
+
     def free_seq(self, seq: Sequence) -> None:
+        if self.pending:
+            for h in [h for h, o in self.pending.items() if o == seq.seq_id]:
+                del self.pending[h]
         for b in reversed(seq.block_table):
             self.ref[b] -= 1
             if self.ref[b] == 0:

@@ -160,6 +160,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     admission: str = "reserve"  # reserve (prompt+max_tokens blocks up front) | greedy (recompute-preemption)
+    allow_upcast: bool = True  # CPU without native bf16/fp16 matmul: compute in fp32 (see engine/device.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -32,13 +32,18 @@ class LLMEngine:
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
-        dtype = torch_dtype(config.dtype)
+        from dlbatch.engine.device import compute_dtype
+
+        self.compute_dtype = compute_dtype(config.dtype, device.type, allow_upcast=config.allow_upcast)
+        dtype = torch_dtype(self.compute_dtype)
         self.ops = get_ops(device, op_overrides)
         self.model = Transformer(self.mconf, loaded.weights, self.ops, dtype, device, config.max_model_len)
         self.num_blocks = self._num_blocks(dtype, device)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, self.mconf, config, self.num_blocks)
+        self.scheduler.on_admit = self._on_admit
+        self._done_imports: list[Sequence] = []
         self.eos_ids = set(self.mconf.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.stats = {"steps": 0, "prompt_tokens": 0, "prefill_tokens_computed": 0, "output_tokens": 0,
                       "cached_tokens": 0, "busy_s": 0.0}
@@ -94,11 +99,61 @@ class LLMEngine:
         self.stats["prompt_tokens"] += len(seq.prompt_ids)
         return seq
 
+    def add_imported(self, request_id: str, prompt_ids: list[int], first_token: int, params: SamplingParams,
+                     kv_layers, generator_state=None) -> Sequence:
+        """Decode-only mode: continue a request whose prompt was prefilled elsewhere.
+        `kv_layers[i]` is layer i's KV, shape (2, len(prompt_ids), kv_heads, head_dim), any
+        float dtype (converted on import); the copy into our blocks happens at admission."""
+        c = self.mconf
+        if len(kv_layers) != c.num_layers:
+            raise ValueError(f"request {request_id}: KV has {len(kv_layers)} layers, model has {c.num_layers}")
+        want = (2, len(prompt_ids), c.num_kv_heads, c.head_dim)
+        for i, kv in enumerate(kv_layers):
+            if tuple(kv.shape) != want:
+                raise ValueError(f"request {request_id}: KV layer {i} has shape {tuple(kv.shape)}, expected {want}")
+        seq = self.make_sequence(request_id, prompt_ids, params)
+        if seq.truncated:
+            raise ValueError(f"request {request_id}: imported prompt exceeds max_model_len")
+        seq.output_ids = [int(first_token)]
+        seq.kv_import = kv_layers
+        seq.first_token_time = time.perf_counter()
+        if generator_state is not None:
+            g = torch.Generator(device=self.model.device)
+            g.set_state(generator_state)
+            seq.generator = g
+        reason = self._is_stopped(seq)
+        if reason is not None:  # the first token already ended it: nothing to decode
+            seq.finish_reason = reason
+            seq.kv_import = None
+            seq.finish_time = seq.first_token_time
+            self._done_imports.append(seq)
+            return seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _on_admit(self, seq: Sequence) -> None:
+        kv = getattr(seq, "kv_import", None)
+        if kv is None:
+            return
+        n = len(seq.prompt_ids)
+        start = seq.num_computed  # prefix-cache hits already hold the head
+        self.block_manager.ensure_slots(seq, n + 1)
+        for li, layer in enumerate(kv):
+            t = layer if isinstance(layer, torch.Tensor) else torch.from_numpy(layer)
+            self.runner.import_kv_layer(seq, li, t, start)
+        seq.num_computed = n
+        self.block_manager.commit_full_blocks(seq)
+        seq.kv_import = None
+        self.stats["imported_tokens"] = self.stats.get("imported_tokens", 0) + (n - start)
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._done_imports)
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
+        if self._done_imports:
+            done, self._done_imports = self._done_imports, []
+            return done
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
@@ -120,15 +175,20 @@ class LLMEngine:
             seq.finish_time = now
             if seq.prefill_only:
                 seq.kv_export = self.runner.export_kv(seq, len(seq.prompt_ids))
+                if seq.generator is not None:
+                    seq.generator_state = seq.generator.get_state()
         self.scheduler.free_finished(finished)
         self.stats["busy_s"] += time.perf_counter() - t0
         return finished
 
     def _is_stopped(self, seq: Sequence) -> str | None:
         p = seq.params
-        last = seq.output_ids[-1]
         if seq.prefill_only:
+            seq.prefill_only = False
+            seq.pd_finish = self._is_stopped(seq)  # the real reason, if the first token ends it
+            seq.prefill_only = True
             return "prefill"
+        last = seq.output_ids[-1]
         if not p.ignore_eos and last in self.eos_ids:
             return "stop"
         if last in p.stop_token_ids:

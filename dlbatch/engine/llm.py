@@ -25,7 +25,7 @@ class LLM:
                  chat: bool | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True, admission: str = "reserve",
                  num_kv_blocks: int | None = None, storage_options: dict | None = None,
-                 op_overrides: dict | None = None, num_threads: int | None = None):
+                 op_overrides: dict | None = None, num_threads: int | None = None, allow_upcast: bool = True):
         import torch
 
         if num_threads:
@@ -38,7 +38,8 @@ class LLM:
         config = EngineConfig(dtype=dtype, device=device, max_model_len=mml, block_size=block_size,
                               kv_cache_memory=parse_memory(kv_cache_memory), num_kv_blocks=num_kv_blocks,
                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                              enable_prefix_caching=enable_prefix_caching, admission=admission)
+                              enable_prefix_caching=enable_prefix_caching, admission=admission,
+                              allow_upcast=allow_upcast)
         self.model_name = model
         self.engine = LLMEngine(loaded, config, op_overrides)
         self.tokenizer = self.engine.tokenizer
@@ -120,6 +121,89 @@ class LLM:
             if self.engine.has_unfinished():  # an exception mid-run: leave the engine clean
                 self.engine.scheduler.abort_all()
         return [self.engine.to_output(done[id(s)]) for s in seqs]
+
+    # ---- prefill / decode disaggregation ----------------------------------------------------
+    def prefill(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None,
+                kv_format: str = "torch") -> list:
+        """Prefill only: run each prompt, sample its first token, and return a
+        `PrefillResult` per prompt carrying the KV (per layer, token-major). kv_format
+        "torch" keeps tensors; "payload" wraps them in a transfer payload (numpy,
+        self-describing, checksummed) ready for any transport."""
+        from dlbatch.engine.pd import PrefillResult
+
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = self._params_list(len(prompts), params)
+        seqs = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            try:
+                ids = self.encode(p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            seq = self.engine.make_sequence(self._next_id(), ids, sp)
+            seq.prefill_only = True
+            seqs.append(seq)
+        self._run_seqs(seqs)
+        results = []
+        for s in seqs:
+            kv = s.kv_export
+            if kv_format == "payload":
+                from dlbatch.transfer.payload import from_torch_layers
+
+                kv = from_torch_layers(kv, self.fingerprint)
+            results.append(PrefillResult(
+                request_id=s.seq_id, prompt_ids=list(s.prompt_ids), first_token=s.output_ids[0], params=s.params,
+                fingerprint=self.fingerprint, kv=kv, dtype=self.engine.compute_dtype, finish_reason=s.pd_finish,
+                truncated=s.truncated, generator_state=s.generator_state,
+                metrics={"ttft_s": (s.first_token_time - s.arrival) if s.first_token_time else None}))
+            s.kv_export = None
+        return results
+
+    def decode(self, results: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Decode only: import each PrefillResult's KV into our paged cache and continue."""
+        from dlbatch.engine.pd import FingerprintMismatch
+
+        seqs = []
+        for r in results:
+            if r.fingerprint != self.fingerprint:
+                raise FingerprintMismatch(
+                    f"request {r.request_id}: KV comes from model {r.fingerprint}, this engine runs {self.fingerprint}")
+            sp = r.params if params is None else (params if isinstance(params, SamplingParams) else None)
+            if sp is None:
+                raise ValueError("decode(params=...) must be one SamplingParams or None (use each result's own)")
+            layers = self._kv_layers(r)
+            seq = self.engine.add_imported(r.request_id, r.prompt_ids, r.first_token, sp, layers, r.generator_state)
+            seq.truncated = r.truncated
+            seqs.append(seq)
+        done = {}
+        try:
+            while self.engine.has_unfinished():
+                for seq in self.engine.step():
+                    done[id(seq)] = seq
+        finally:
+            if self.engine.has_unfinished():
+                self.engine.scheduler.abort_all()
+        return [self.engine.to_output(done[id(s)]) for s in seqs]
+
+    def _kv_layers(self, r) -> list:
+        kv = r.kv
+        if isinstance(kv, (list, tuple)):
+            return list(kv)
+        from dlbatch.transfer.payload import layer_to_torch, validate
+
+        validate(kv, expected_fingerprint=self.fingerprint)
+        return [layer_to_torch(kv, i) for i in range(kv.meta.num_layers)]
+
+    def _run_seqs(self, seqs) -> None:
+        for s in seqs:
+            self.engine.scheduler.add(s)
+            self.engine.stats["prompt_tokens"] += len(s.prompt_ids)
+        try:
+            while self.engine.has_unfinished():
+                self.engine.step()
+        finally:
+            if self.engine.has_unfinished():
+                self.engine.scheduler.abort_all()
 
     def stats(self) -> dict:
         st = dict(self.engine.stats)

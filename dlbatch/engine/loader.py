@@ -78,6 +78,39 @@ def load_model(name: str, storage_options: dict | None = None) -> LoadedModel:
     raise ModelNotFoundError(f"model {name!r} is neither an HF model directory nor a GGUF file")
 
 
+def model_dir(name: str, storage_options: dict | None = None) -> tuple[object, str]:
+    """(fsspec filesystem, directory) holding config.json / tokenizer.json / weights for
+    `name`; a GGUF is converted into the local cache first (once per machine)."""
+    import fsspec
+
+    path = resolve_model(name)
+    fs, p = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    if fs.isdir(p):
+        return fs, p
+    info = fs.info(p)
+    ident = f"{fs.unstrip_protocol(p)}:{info.get('size')}:{info.get('mtime', info.get('ETag', ''))}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:20]
+    cache_dir = os.path.join(_cache_root(), f"gguf-{key}")
+    if not os.path.exists(os.path.join(cache_dir, "COMPLETE")):
+        _convert_gguf(name, fs, p, cache_dir)
+    return fsspec.filesystem("file"), cache_dir
+
+
+def load_tokenizer(name: str, storage_options: dict | None = None) -> Tokenizer:
+    """Only the tokenizer (and chat template) of a model: no weights are read."""
+    fs, root = model_dir(name, storage_options)
+
+    def join(f):
+        return root.rstrip("/") + "/" + f
+
+    cfg = json.loads(fs.cat_file(join("config.json")))
+    config = ModelConfig.from_hf(cfg, source=f"{name}/config.json")
+    tok_cfg = json.loads(fs.cat_file(join("tokenizer_config.json"))) if fs.exists(join("tokenizer_config.json")) else {}
+    chat_file = fs.cat_file(join("chat_template.jinja")).decode() if fs.exists(join("chat_template.jinja")) else None
+    return tokenizer_from_hf_files(fs.cat_file(join("tokenizer.json")).decode(), tok_cfg, chat_file,
+                                   config.eos_token_ids, config.bos_token_id)
+
+
 # ---------------------------------------------------------------------------------------
 # HF directory
 
@@ -180,15 +213,8 @@ def _load_gguf(name: str, fs, p: str) -> LoadedModel:
     directory (config.json, tokenizer.json, model.safetensors) in the cache
     (DLBATCH_CACHE, default ~/.cache/dlbatch); later loads, e.g. every Ray worker on the
     node, memory-map that instead of dequantising again."""
-    import fsspec
-
-    info = fs.info(p)
-    ident = f"{fs.unstrip_protocol(p)}:{info.get('size')}:{info.get('mtime', info.get('ETag', ''))}"
-    key = hashlib.sha256(ident.encode()).hexdigest()[:20]
-    cache_dir = os.path.join(_cache_root(), f"gguf-{key}")
-    if not os.path.exists(os.path.join(cache_dir, "COMPLETE")):
-        _convert_gguf(name, fs, p, cache_dir)
-    loaded = _load_hf_dir(name, fsspec.filesystem("file"), cache_dir)
+    lfs, cache_dir = model_dir(fs.unstrip_protocol(p))
+    loaded = _load_hf_dir(name, lfs, cache_dir)
     loaded.source_format = "gguf"
     return loaded
 

@@ -132,12 +132,14 @@ class ModelRunner:
         flat = self.kv_cache.view(2, self.mconf.num_layers, -1, hk, d)
         return [flat[:, li].index_select(1, idx) for li in range(self.mconf.num_layers)]
 
-    def import_kv_layer(self, seq, layer: int, kv: torch.Tensor) -> None:
-        """Copy one layer's (2, n, Hkv, D) KV into the sequence's blocks (converting dtype)."""
+    def import_kv_layer(self, seq, layer: int, kv: torch.Tensor, start: int = 0) -> None:
+        """Copy one layer's (2, n, Hkv, D) KV for token positions [start, n) into the
+        sequence's blocks, converting dtype; the block size of the sender does not matter
+        since the payload is token-major."""
         n = kv.shape[1]
-        idx = torch.tensor(self._slots(seq.block_table, 0, n), dtype=torch.long, device=self.device)
+        idx = torch.tensor(self._slots(seq.block_table, start, n), dtype=torch.long, device=self.device)
         hk, d = self.mconf.num_kv_heads, self.mconf.head_dim
         flat = self.kv_cache.view(2, self.mconf.num_layers, -1, hk, d)
-        src = kv.to(device=self.device, dtype=self.kv_cache.dtype)
+        src = kv[:, start:n].to(device=self.device, dtype=self.kv_cache.dtype)
         flat[0, layer].index_copy_(0, idx, src[0])
         flat[1, layer].index_copy_(0, idx, src[1])

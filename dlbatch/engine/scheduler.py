@@ -44,6 +44,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_admit = None  # engine hook: runs after a sequence gets its blocks (KV import)
 
     # ---- queue ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -81,19 +82,27 @@ class Scheduler:
             budget -= n
 
         # admit new sequences (never while someone was just preempted: they go first)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            if self.bm.prefix_pending(seq):  # its prefix is being computed: hit it next step
+                deferred.append(self.waiting.popleft())
+                continue
             if not self.bm.can_allocate(seq, self.reserve):
                 break
             self.waiting.popleft()
             self.bm.allocate(seq, self.reserve)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if self.on_admit is not None:
+                self.on_admit(seq)
             n = min(seq.remaining, budget)
             self.bm.ensure_slots(seq, seq.num_computed + n)
             out.scheduled.append(ScheduledSeq(seq, n))
             scheduled_ids.add(id(seq))
             budget -= n
+        for seq in reversed(deferred):
+            self.waiting.appendleft(seq)
         return out
 
     def _grow(self, seq: Sequence, n: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:

@@ -36,6 +36,10 @@ class Sequence:
     generator: object = None  # torch.Generator for seeded sampling
     stop_text_len: int = 0  # characters of decoded text already checked for stop strings
     text: str | None = None
+    kv_import: object = None  # decode-only: per-layer KV waiting to be copied in at admission
+    kv_export: object = None  # prefill-only: per-layer KV taken out before the blocks are freed
+    generator_state: object = None
+    pd_finish: str | None = None  # prefill-only: finish reason if the first token ended the request
 
     @property
     def all_ids(self) -> list[int]:

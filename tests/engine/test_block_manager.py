@@ -181,3 +181,18 @@ def test_request_that_can_never_fit_is_refused():
     sched, bm = _sched(num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="KV blocks"):
         sched.add(seq(1, 6, max_tokens=8))
+
+
+def test_shared_prefix_waits_for_the_first_and_hits():
+    sched, bm = _sched(num_blocks=64, block_size=4, budget=64)
+    a = seq(1, 14, max_tokens=2)
+    b = Sequence("2", a.prompt_ids[:12] + [900, 901], SamplingParams(max_tokens=2))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == ["1"]  # b waits: its prefix is being computed
+    _fake_step(sched, out)
+    out = sched.schedule()
+    assert "2" in [s.seq.seq_id for s in out.scheduled]
+    assert b.num_cached == 12
+    bm.check_invariants()
