@@ -1,0 +1,202 @@
+"""The transport interface and ``get_transport``.
+
+A transfer has two ends:
+
+* the sender: ``sender = transport.open_sender(meta)``; ``sender.handle`` is a small
+  picklable object to pass to the receiver (over a pipe, a Ray call, ...);
+  ``sender.send_layer(i, array)`` as each layer finishes; ``sender.close(timeout)``.
+* the receiver: ``rx = transport.open_receiver(handle)``; ``for i, arr in
+  rx.receive_layers(timeout)`` yields each layer as soon as it is there (zero-copy
+  views where the transport allows, valid until ``rx.release()``);
+  ``rx.receive(timeout)`` collects a whole :class:`KVPayload` of owned arrays.
+
+``transport.send(payload)`` / ``transport.receive(handle, timeout)`` are the
+one-shot forms. When a handle is complete only after ``close`` (object store)
+the sender says so with ``handle_ready_before_close = False``.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Any, Iterator
+
+import numpy as np
+
+from dlbatch.transfer.errors import TransferTimeout, TransportUnavailable
+from dlbatch.transfer.payload import KVMeta, KVPayload, checksum, validate
+
+TRANSPORT_NAMES = ("auto", "object_store", "shm", "rdt", "dlslime")
+
+
+class Deadline:
+    """A timeout turned into an absolute deadline; ``remaining()`` never goes below 0."""
+
+    def __init__(self, timeout: float | None, what: str):
+        if timeout is None or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout for {what} must be a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+        self.what = what
+        self.end = time.monotonic() + self.timeout
+
+    def remaining(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.end
+
+    def error(self, detail: str = "") -> TransferTimeout:
+        return TransferTimeout(f"timed out after {self.timeout:g}s waiting for {self.what}" + (f": {detail}" if detail else ""))
+
+
+class KVSender(ABC):
+    meta: KVMeta
+    verify: bool
+
+    @property
+    @abstractmethod
+    def handle(self) -> Any:
+        """Picklable description the receiver needs."""
+
+    handle_ready_before_close: bool = True
+
+    @abstractmethod
+    def send_layer(self, i: int, array: np.ndarray) -> None:
+        """Hand over layer ``i`` (shape ``meta.layer_shape``, dtype ``meta.storage_dtype``)."""
+
+    @abstractmethod
+    def close(self, timeout: float = 60.0) -> Any:
+        """Finish: waits for outstanding work; returns the final handle."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give up and free what the transfer holds."""
+
+    def _checksum(self, array: np.ndarray) -> int | None:
+        return checksum(array, self.meta.checksum_algo) if self.verify else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.abort()
+
+
+class KVReceiver(ABC):
+    meta: KVMeta
+
+    @abstractmethod
+    def receive_layers(self, timeout: float) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield ``(i, layer)`` in order as layers arrive; raise TransferTimeout past ``timeout``."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Free the transfer's resources (views from receive_layers become invalid)."""
+
+    def receive(self, timeout: float, *, copy: bool = True) -> KVPayload:
+        """All layers as a payload (owned copies unless ``copy=False``), then release."""
+        layers = []
+        try:
+            for _, arr in self.receive_layers(timeout):
+                layers.append(arr.copy() if copy else arr)
+        finally:
+            if copy:
+                self.release()
+        return KVPayload(self.meta, layers)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class Transport(ABC):
+    name: str = "?"
+
+    @abstractmethod
+    def open_sender(self, meta: KVMeta, *, verify: bool | None = None) -> KVSender: ...
+
+    @abstractmethod
+    def open_receiver(self, handle: Any, *, verify: bool | None = None) -> KVReceiver: ...
+
+    def send(self, payload: KVPayload, *, verify: bool | None = None, timeout: float = 60.0) -> Any:
+        """Send a complete payload; returns the handle for the receiver."""
+        validate(payload, verify=False)
+        meta = payload.meta.without_checksums()
+        sender = self.open_sender(meta, verify=verify)
+        try:
+            for i, arr in enumerate(payload.layers):
+                sender.send_layer(i, arr)
+            return sender.close(timeout)
+        except BaseException:
+            sender.abort()
+            raise
+
+    def receive(
+        self,
+        handle: Any,
+        timeout: float,
+        *,
+        expected_fingerprint: str | None = None,
+        verify: bool | None = None,
+    ) -> KVPayload:
+        rx = self.open_receiver(handle, verify=verify)
+        payload = rx.receive(timeout)
+        return validate(payload, expected_fingerprint, verify=False)
+
+
+def get_transport(
+    name: str = "auto",
+    *,
+    same_node: bool = False,
+    device: str = "cpu",
+    peer_device: str | None = None,
+    ray_handles: bool = True,
+) -> Transport:
+    """Pick a transport by name.
+
+    ``auto``: ``rdt`` when both sides hold device tensors (``device`` and
+    ``peer_device`` not cpu) and RDT is available; ``shm`` when ``same_node`` and no
+    Ray handle is needed (``ray_handles=False``); else ``object_store``.
+    Raises ValueError for an unknown name, TransportUnavailable when the named
+    transport cannot run here (naming what is missing).
+    """
+    if name not in TRANSPORT_NAMES:
+        raise ValueError(f"unknown KV transport {name!r}; expected one of {TRANSPORT_NAMES}")
+    if not isinstance(device, str) or not device:
+        raise ValueError(f"device must be a device string such as 'cpu' or 'cuda:0', got {device!r}")
+    if name == "auto":
+        from dlbatch.transfer import rdt
+
+        peer = peer_device if peer_device is not None else device
+        if not device.startswith("cpu") and not peer.startswith("cpu") and rdt.is_available(device):
+            name = "rdt"
+        elif same_node and not ray_handles:
+            name = "shm"
+        else:
+            name = "object_store"
+    if name == "object_store":
+        from dlbatch.transfer.object_store import ObjectStoreTransport
+
+        return ObjectStoreTransport()
+    if name == "shm":
+        if not same_node:
+            raise TransportUnavailable("the 'shm' KV transport needs both workers on the same node (same_node=False)")
+        from dlbatch.transfer.shm import ShmTransport
+
+        return ShmTransport()
+    if name == "rdt":
+        from dlbatch.transfer import rdt
+
+        reason = rdt.unavailable_reason(device)
+        if reason:
+            raise TransportUnavailable(f"the 'rdt' KV transport is unavailable for device {device!r}: {reason}")
+        return rdt.RDTTransport(device)
+    from dlbatch.transfer import dlslime_transport
+
+    reason = dlslime_transport.unavailable_reason()
+    if reason:
+        raise TransportUnavailable(f"the 'dlslime' KV transport is unavailable: {reason}")
+    return dlslime_transport.DLSlimeTransport()

@@ -1,0 +1,328 @@
+"""KV payload format, shared-memory transport, get_transport (no Ray)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dlbatch.transfer import payload as P
+from dlbatch.transfer import shm as S
+from dlbatch.transfer.base import get_transport
+from dlbatch.transfer.errors import (
+    CorruptPayload,
+    FingerprintMismatch,
+    LayoutMismatch,
+    SenderDied,
+    TransferTimeout,
+    TransportUnavailable,
+    TruncatedPayload,
+)
+
+FP = "llama:abc123"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_layers(dtype, n_layers=3, tokens=7, heads=2, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, tokens, heads, dim, generator=g).to(dtype) for _ in range(n_layers)]
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leaks():
+    before = set(S.list_segments())
+    yield
+    leaked = set(S.list_segments()) - before
+    for name in leaked:
+        os.unlink(os.path.join(S.SHM_DIR, name))
+    assert not leaked, f"test leaked shared-memory segments {sorted(leaked)}"
+
+
+# ------------------------------------------------------------------ payload
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_from_torch_zero_copy_and_back(dtype):
+    layers = make_layers(dtype)
+    p = P.from_torch_layers(layers, FP)
+    assert p.meta.dtype == P.dtype_name(dtype)
+    assert p.meta.layer_shape == (2, 7, 2, 8)
+    assert p.meta.checksums is not None and len(p.meta.checksums) == 3
+    # zero-copy: the array shares the tensor's memory
+    assert p.layers[0].ctypes.data == layers[0].data_ptr()
+    for i, t in enumerate(layers):
+        back = P.layer_to_torch(p, i)
+        assert back.dtype == dtype
+        assert torch.equal(back, t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_buffer_round_trip_bit_exact(dtype):
+    layers = make_layers(dtype)
+    p = P.from_torch_layers(layers, FP)
+    buf = P.to_buffer(p)
+    q = P.from_buffer(bytes(buf), expected_fingerprint=FP)
+    assert q.meta == p.meta
+    for a, b in zip(p.layers, q.layers):
+        assert a.tobytes() == b.tobytes()
+        assert not b.flags.writeable  # zero-copy view of an immutable buffer
+    for i, off in enumerate(P.buffer_layout(p.meta).layer_offsets):
+        assert off % 64 == 0, f"layer {i} is not 64-byte aligned"
+
+
+def test_dtype_conversion():
+    x = torch.randn(2, 5, 2, 4)
+    p16 = P.from_torch_layers([x.to(torch.bfloat16)], FP)
+    up = P.layer_to_torch(p16, 0, dtype=torch.float32)
+    assert up.dtype == torch.float32
+    assert torch.equal(up, x.to(torch.bfloat16).float())  # bf16 -> fp32 is exact
+    p32 = P.from_torch_layers([x], FP)
+    down = P.layer_to_torch(p32, 0, dtype="bfloat16")
+    assert down.dtype == torch.bfloat16
+    assert torch.equal(down, x.to(torch.bfloat16))
+    rel = ((down.float() - x).abs() / x.abs().clamp_min(1e-30)).max().item()
+    assert rel <= 2**-8, rel  # round-to-nearest: half an ulp of an 8-bit mantissa
+    assert P.layer_to_torch(p32, 0, dtype=torch.float16).dtype == torch.float16
+
+
+def test_corrupt_byte_names_layer():
+    p = P.from_torch_layers(make_layers(torch.float16), FP)
+    buf = P.to_buffer(p)
+    lay = P.buffer_layout(p.meta)
+    buf[lay.layer_offsets[2] + 5] ^= 0x40
+    with pytest.raises(CorruptPayload, match="layer 2") as ei:
+        P.from_buffer(buf)
+    assert ei.value.layer == 2
+    P.from_buffer(buf, verify=False)  # opt-out skips the check
+
+
+@pytest.mark.parametrize("algo", P.CHECKSUM_ALGOS)
+def test_checksum_detects_single_byte_changes(algo):
+    a = np.random.default_rng(0).integers(0, 255, size=1003, dtype=np.uint8)
+    base = P.checksum(a, algo)
+    for pos in (0, 7, 8, 500, 1002):
+        b = a.copy()
+        b[pos] ^= 1
+        assert P.checksum(b, algo) != base, (algo, pos)
+    assert P.checksum(a[:-1], algo) != base
+
+
+def test_truncated_buffer():
+    p = P.from_torch_layers(make_layers(torch.float32), FP)
+    buf = bytes(P.to_buffer(p))
+    with pytest.raises(TruncatedPayload, match="1 of 3 layers are complete"):
+        P.from_buffer(buf[: P.buffer_layout(p.meta).layer_offsets[1] + 10])
+    with pytest.raises(TruncatedPayload, match="header"):
+        P.from_buffer(buf[:10])
+    with pytest.raises(TruncatedPayload, match="2 of 3 layers"):
+        P.validate(P.KVPayload(p.meta, p.layers[:2]))
+    # a layer never marked ready
+    raw = bytearray(buf)
+    lay = P.buffer_layout(p.meta)
+    raw[lay.table_offset + 1 * P.ENTRY_SIZE + 8] = 0
+    with pytest.raises(TruncatedPayload, match="layer 1 of 3 was never written"):
+        P.from_buffer(raw)
+
+
+def test_fingerprint_mismatch_names_both():
+    p = P.from_torch_layers(make_layers(torch.float32), "qwen2:deadbeef")
+    with pytest.raises(FingerprintMismatch) as ei:
+        P.validate(p, expected_fingerprint=FP)
+    assert "qwen2:deadbeef" in str(ei.value) and FP in str(ei.value)
+    with pytest.raises(FingerprintMismatch):
+        P.from_buffer(P.to_buffer(p), expected_fingerprint=FP)
+
+
+def test_layout_checks():
+    p = P.from_torch_layers(make_layers(torch.float32), FP)
+    with pytest.raises(LayoutMismatch, match=r"\(2, 8, 3\).*\(4, 8, 3\)"):
+        P.validate(p, expected_shape=(4, 8, 3))
+    bad = P.KVPayload(p.meta, [p.layers[0], p.layers[1][:, :3], p.layers[2]])
+    with pytest.raises(LayoutMismatch, match="layer 1 has shape"):
+        P.validate(bad)
+    with pytest.raises(LayoutMismatch, match="dtype"):
+        P.from_torch_layers([make_layers(torch.float32)[0], make_layers(torch.float16)[0]], FP)
+    with pytest.raises(ValueError, match="'int8'"):
+        P.make_meta(FP, "int8", 1, 1, 1, 1)
+    with pytest.raises(ValueError, match="num_tokens.*0"):
+        P.make_meta(FP, "float32", 1, 0, 1, 1)
+    with pytest.raises(ValueError, match="fingerprint"):
+        P.make_meta("", "float32", 1, 1, 1, 1)
+    buf = P.to_buffer(p)
+    buf[0:4] = b"XXXX"
+    with pytest.raises(LayoutMismatch, match="magic"):
+        P.from_buffer(buf)
+
+
+# ------------------------------------------------------------------ shm
+def _shm_child(conn, meta, layers, stall_after, delay):
+    tr = S.ShmTransport()
+    sender = tr.open_sender(meta)
+    conn.send(sender.handle)
+    for i, a in enumerate(layers):
+        if stall_after is not None and i >= stall_after:
+            time.sleep(3600)  # a stuck (or about to be killed) producer
+        time.sleep(delay)
+        sender.send_layer(i, a)
+    sender.close()
+    conn.send("done")
+
+
+def _start_child(meta, layers, stall_after=None, delay=0.0):
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_shm_child, args=(child, meta, layers, stall_after, delay), daemon=True)
+    proc.start()
+    assert parent.poll(20), "shm sender child did not send its handle"
+    return proc, parent, parent.recv()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shm_cross_process_streaming(dtype):
+    p = P.from_torch_layers(make_layers(dtype, n_layers=4), FP)
+    proc, conn, handle = _start_child(p.meta.without_checksums(), p.layers, delay=0.05)
+    assert handle.name.startswith(S.PREFIX) and str(proc.pid) in handle.name
+    rx = S.ShmTransport().open_receiver(handle)
+    got, t_first = [], None
+    t0 = time.monotonic()
+    for i, view in rx.receive_layers(timeout=20):
+        t_first = t_first if t_first is not None else time.monotonic() - t0
+        got.append(view.copy())
+    rx.release()
+    total = time.monotonic() - t0
+    assert t_first < total  # layer 0 consumed before the last layer was written
+    for a, b in zip(p.layers, got):
+        assert a.tobytes() == b.tobytes()
+    assert conn.poll(20) and conn.recv() == "done"
+    proc.join(10)
+    assert handle.name not in S.list_segments()
+
+
+def test_shm_one_shot_send_receive():
+    p = P.from_torch_layers(make_layers(torch.bfloat16), FP)
+    tr = get_transport("shm", same_node=True, device="cpu")
+    handle = tr.send(p)
+    q = tr.receive(handle, timeout=5, expected_fingerprint=FP)
+    assert [a.tobytes() for a in p.layers] == [b.tobytes() for b in q.layers]
+    assert torch.equal(P.layer_to_torch(q, 1), P.layer_to_torch(p, 1))
+    assert handle.name not in S.list_segments()
+
+
+def test_shm_receive_timeout_is_clear_and_cleans_up():
+    p = P.from_torch_layers(make_layers(torch.float32), FP)
+    proc, _, handle = _start_child(p.meta.without_checksums(), p.layers, stall_after=1)
+    rx = S.ShmTransport().open_receiver(handle)
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeout) as ei:
+        for _ in rx.receive_layers(timeout=0.5):
+            pass
+    assert time.monotonic() - t0 < 5
+    msg = str(ei.value)
+    assert "0.5s" in msg and handle.name in msg and "layer 1 not ready" in msg
+    assert handle.name not in S.list_segments()
+    proc.kill()
+    proc.join(10)
+
+
+def test_shm_sender_killed_mid_transfer():
+    p = P.from_torch_layers(make_layers(torch.float16, n_layers=5), FP)
+    proc, _, handle = _start_child(p.meta.without_checksums(), p.layers, stall_after=2)
+    rx = S.ShmTransport().open_receiver(handle)
+    it = rx.receive_layers(timeout=20)
+    assert next(it)[0] == 0 and next(it)[0] == 1
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    t0 = time.monotonic()
+    with pytest.raises(SenderDied, match=rf"{proc.pid} died after writing 2 of 5 layers"):
+        next(it)
+    assert time.monotonic() - t0 < 5  # noticed the death, did not wait for the timeout
+    assert handle.name not in S.list_segments()
+
+
+def test_shm_corrupt_layer_detected():
+    p = P.from_torch_layers(make_layers(torch.float32), FP)
+    tr = S.ShmTransport()
+    sender = tr.open_sender(p.meta)
+    for i, a in enumerate(p.layers):
+        sender.send_layer(i, a)
+    off = P.buffer_layout(sender.meta).layer_offsets[1]
+    sender._shm.buf[off + 3] ^= 0xFF  # bit rot after the checksum was recorded
+    handle = sender.close()
+    with pytest.raises(CorruptPayload, match="layer 1"):
+        tr.receive(handle, timeout=5)
+    assert handle.name not in S.list_segments()
+
+
+def test_shm_bad_layer_and_abort():
+    p = P.from_torch_layers(make_layers(torch.float32), FP)
+    tr = S.ShmTransport()
+    sender = tr.open_sender(p.meta)
+    with pytest.raises(LayoutMismatch, match="layer 0 has numpy dtype float16"):
+        sender.send_layer(0, p.layers[0].astype(np.float16))
+    with pytest.raises(LayoutMismatch, match="layer index 7"):
+        sender.send_layer(7, p.layers[0])
+    sender.abort()
+    assert sender.handle.name not in S.list_segments()
+    with pytest.raises(Exception, match="does not exist"):
+        tr.open_receiver(sender.handle)
+
+
+def test_sweep_stale_segments():
+    p = P.from_torch_layers(make_layers(torch.float32), FP)
+    proc, _, handle = _start_child(p.meta.without_checksums(), p.layers, stall_after=0)
+    proc.kill()
+    proc.join(10)
+    assert handle.name in S.list_segments()
+    assert handle.name in S.sweep_stale_segments()
+    assert handle.name not in S.list_segments()
+
+
+# ------------------------------------------------------------------ get_transport
+def test_get_transport_choices():
+    with pytest.raises(ValueError, match="'carrier_pigeon'"):
+        get_transport("carrier_pigeon")
+    with pytest.raises(TransportUnavailable, match="same node"):
+        get_transport("shm", same_node=False)
+    assert get_transport("auto", same_node=True, device="cpu", ray_handles=False).name == "shm"
+    assert get_transport("auto", same_node=True, device="cpu").name == "object_store"
+    assert get_transport("auto", same_node=False, device="cpu").name == "object_store"
+    if not torch.cuda.is_available():
+        assert get_transport("auto", device="cuda:0").name == "object_store"
+        with pytest.raises(TransportUnavailable, match="CUDA"):
+            get_transport("rdt", device="cuda:0")
+    with pytest.raises(TransportUnavailable, match="device 'tpu'"):
+        get_transport("rdt", device="tpu")
+    from dlbatch.transfer import dlslime_transport
+
+    if not dlslime_transport.is_available():
+        with pytest.raises(TransportUnavailable, match="dlslime"):
+            get_transport("dlslime")
+
+
+def test_dlslime_round_trip():
+    from dlbatch.transfer import dlslime_transport
+
+    reason = dlslime_transport.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    p = P.from_torch_layers(make_layers(torch.bfloat16), FP)
+    tr = get_transport("dlslime")
+    sender = tr.open_sender(p.meta)
+    for i, a in enumerate(p.layers):
+        sender.send_layer(i, a)
+    rx = tr.open_receiver(sender.close())
+    sender.connect_peer(rx.endpoint_info)
+    q = rx.receive(timeout=20)
+    sender.shutdown()
+    assert [a.tobytes() for a in p.layers] == [b.tobytes() for b in q.layers]
+
+
+def test_errors_pickle():
+    import pickle
+
+    for e in (FingerprintMismatch("a:1", "b:2"), CorruptPayload(3, 1, 2, "sum64"), TruncatedPayload("x")):
+        e2 = pickle.loads(pickle.dumps(e))
+        assert type(e2) is type(e) and str(e2) == str(e)
