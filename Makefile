@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/dlbatch generate --max-tokens 64 "Summarize in one sentence why batch inference of long documents benefits from prefix caching."
+	$(BIN)/dlbatch run $(JOB)
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -47,9 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
-    for register in _EXTRA_COMMANDS:
+    for register in _extra_commands() + _EXTRA_COMMANDS:
         register(sub)
     return parser
+
+
+def _extra_commands():
+    from dlbatch import cli_jobs
+
+    return [cli_jobs.register]
 
 
 _EXTRA_COMMANDS: list = []

@@ -1,0 +1,124 @@
+"""`dlbatch run` and `dlbatch status`."""
+from __future__ import annotations
+
+import json
+import sys
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="run a job file (embedded local Ray, or --address to attach)")
+    p.add_argument("job", help="job YAML file (local path or fsspec URL)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a field of the job file (repeatable)")
+    p.add_argument("--fresh", action="store_true", help="delete this job's previous output and start over")
+    p.add_argument("--address", default=None, help="attach to a Ray cluster: auto or ray://HOST:PORT")
+    p.add_argument("--plan", default=None, help="a plan JSON written by `dlbatch plan`")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("status", help="documents done / failed / pending and tokens, from the committed output")
+    s.add_argument("job")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(func=cmd_status)
+
+
+def _load(args):
+    from dlbatch.jobspec import JobSpecError, load_job
+
+    overrides = list(args.overrides)
+    if getattr(args, "address", None):
+        overrides.append(f"cluster.address={args.address}")
+    try:
+        return load_job(args.job, overrides)
+    except (JobSpecError, FileNotFoundError) as e:
+        print(f"invalid job file: {e}", file=sys.stderr)
+        return None
+
+
+def cmd_run(args) -> int:
+    spec = _load(args)
+    if spec is None:
+        return EXIT_INVALID
+    plan = None
+    plan_path = args.plan or (spec.cluster.plan if spec.cluster.plan not in (None, "auto") else None)
+    if plan_path:
+        import fsspec
+
+        with fsspec.open(plan_path, "r") as f:
+            plan = json.load(f)
+    from pipelines import get_pipeline
+
+    try:
+        get_pipeline(spec.pipeline)
+    except ValueError as e:
+        print(f"invalid job file: pipeline: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    from dlbatch.runner import JobRunner
+
+    try:
+        report = JobRunner(spec, fresh=args.fresh, plan=plan, progress=None if not args.no_progress else False).run()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except Exception as e:
+        import logging
+
+        logging.getLogger("dlbatch").exception("job failed")
+        print(f"job failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    if report.get("noop"):
+        return EXIT_OK
+    print(f"job {spec.name!r} finished: {report['docs_ok']} documents ok, {report['docs_failed']} dead-lettered "
+          f"(see {spec.output.path}/_errors/), {report['rows_written']} rows written this run, "
+          f"{report['tokens_per_s']:.0f} tokens/s, {report['wall_s']:.1f} s; report: {spec.output.path}/_report.html")
+    return EXIT_OK
+
+
+def job_status(spec) -> dict:
+    from connectors import list_inputs
+    from dlbatch.checkpoint import OutputStore
+
+    store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+    prog = store.progress()
+    tasks = {t.name for t in spec.tasks}
+    done = {d for d, ts in prog["tasks_by_doc"].items() if ts >= tasks}
+    files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
+    if spec.input.limit is not None and spec.input.format in ("pdf", "text"):
+        files = files[:spec.input.limit]
+    if spec.input.format in ("pdf", "text"):
+        total = len(files)
+    else:  # count documents without Ray
+        from connectors import read_document_file
+
+        total = 0
+        for f in files:
+            for _ in read_document_file(f, spec.input.format, text_field=spec.input.text_field,
+                                        id_field=spec.input.id_field,
+                                        storage_options=dict(spec.input.storage_options)):
+                total += 1
+        if spec.input.limit is not None:
+            total = min(total, spec.input.limit)
+    manifest = store.read_json("_manifest.json") or {}
+    return {"job": spec.name, "output": spec.output.path, "docs_total": total, "docs_done": len(done),
+            "docs_failed": len(prog["docs_failed"]), "docs_pending": max(0, total - len(done) - len(prog["docs_failed"])),
+            "rows": prog["rows"], "duplicate_rows": prog["duplicates"], "prompt_tokens": prog["prompt_tokens"],
+            "output_tokens": prog["output_tokens"], "complete": bool(manifest.get("complete"))}
+
+
+def cmd_status(args) -> int:
+    spec = _load(args)
+    if spec is None:
+        return EXIT_INVALID
+    st = job_status(spec)
+    if args.json:
+        print(json.dumps(st))
+    else:
+        print(f"job {st['job']} -> {st['output']}")
+        print(f"  documents: {st['docs_done']} done, {st['docs_failed']} failed, {st['docs_pending']} pending "
+              f"(of {st['docs_total']})")
+        print(f"  rows: {st['rows']}   tokens: {st['prompt_tokens']} prompt, {st['output_tokens']} output")
+        print(f"  state: {'complete' if st['complete'] else 'incomplete'}")
+    return EXIT_OK

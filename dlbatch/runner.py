@@ -1,0 +1,451 @@
+"""`dlbatch run`: drive one job from the job file to committed Parquet.
+
+The data plane (list -> parse -> prompts/tokenize) is a Ray Data dataset consumed in a
+streaming fashion; the compute plane is the worker pools of the plan (colocated, or
+prefill -> decode with KV moving between actors through the object store). The driver
+routes windows of requests (prefix-aware), keeps several batches in flight per worker,
+retries requests whose worker died, dead-letters poison documents after a bounded number
+of attempts, and commits complete documents atomically (see `dlbatch.checkpoint`).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("dlbatch.run")
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class DocState:
+    doc_id: str
+    rows: list = field(default_factory=list)  # request rows (one per task)
+    results: dict = field(default_factory=dict)  # task -> result dict
+    attempts: int = 0
+    isolate: bool = False
+    failed: bool = False
+
+
+def inputs_signature(files: list[str]) -> str:
+    return hashlib.sha256("\n".join(files).encode()).hexdigest()[:16]
+
+
+class JobRunner:
+    def __init__(self, spec, fresh: bool = False, plan: dict | None = None, progress: bool | None = None,
+                 worker_options: dict | None = None, flush_docs: int = 16, flush_seconds: float = 5.0):
+        self.spec = spec
+        self.fresh = fresh
+        self.plan = plan
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.worker_options = dict(worker_options or {})  # tests: fault injection
+        self.flush_docs = flush_docs
+        self.flush_seconds = flush_seconds
+        self.retries = 0
+        self.timeline: list[dict] = []
+
+    # ------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        from connectors import list_inputs
+        from dlbatch.checkpoint import OutputStore
+        from dlbatch.jobspec import check_resume_compatible, fingerprint_fields, job_fingerprint
+
+        spec = self.spec
+        t_start = time.time()
+        store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+        if self.fresh:
+            n = store.clear()
+            log.info("--fresh: removed %d files of a previous run under %s", n, spec.output.path)
+        manifest = store.read_json("_manifest.json")
+        if manifest is not None:
+            check_resume_compatible(manifest.get("fields", {}), spec, output=spec.output.path)
+        files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
+        if spec.input.limit is not None and spec.input.format in ("pdf", "text"):
+            files = files[:spec.input.limit]
+        sig = inputs_signature(files)
+        prog = store.progress()
+        task_names = {t.name for t in spec.tasks}
+        done_ok = {d for d, ts in prog["tasks_by_doc"].items() if ts >= task_names}
+        skip_docs = done_ok | prog["docs_failed"]
+        if manifest and manifest.get("complete") and manifest.get("inputs") == sig:
+            print(f"job {spec.name!r} is already complete in {spec.output.path}: {len(done_ok)} documents done, "
+                  f"{len(prog['docs_failed'])} failed; nothing to do (use --fresh to start over)", file=sys.stderr)
+            return {"noop": True, "docs_ok": len(done_ok), "docs_failed": len(prog["docs_failed"]),
+                    "rows_written": prog["rows"]}
+        store.write_json("_manifest.json", {"name": spec.name, "fingerprint": job_fingerprint(spec),
+                                            "fields": fingerprint_fields(spec), "inputs": sig, "complete": False,
+                                            "started": t_start})
+        todo = files
+        if spec.input.format in ("pdf", "text"):
+            todo = [f for f in files if f not in prog["sources_done"]]
+        self.docs_total_hint = len(files) if spec.input.format in ("pdf", "text") else None
+        self.already_done = len(done_ok)
+        self.already_failed = len(prog["docs_failed"])
+        if not todo:
+            report = self._finish(store, t_start, stats={}, new_ok=0, new_failed=0, rows=0, noop_docs=True)
+            store.write_json("_manifest.json", {**store.read_json("_manifest.json"), "complete": True})
+            print(f"job {spec.name!r}: every input is already processed; nothing to do", file=sys.stderr)
+            return report
+        return self._run_pools(store, todo, skip_docs, t_start, sig)
+
+    # ------------------------------------------------------------------------------------
+    def _pools(self):
+        c = self.spec.cluster
+        pools = c.pools()
+        if self.plan is not None:
+            from dlbatch.jobspec import PoolSpec
+
+            pools = {}
+            for p in self.plan.get("pools", []):
+                role = p["role"]
+                base = c.pools().get(role) or c.prefill
+                pools[role] = PoolSpec(chip=p.get("chip_resource") or base.chip, replicas=int(p["replicas"]),
+                                       device=base.device, num_cpus=base.num_cpus, num_gpus=base.num_gpus)
+            if "colocated" in pools and ("prefill" in pools or "decode" in pools):
+                raise JobFailed("plans that mix colocated and PD pools are run as PD only on this version: "
+                                f"{self.plan.get('pools')}")
+        return pools
+
+    def _run_pools(self, store, files, skip_docs, t_start, sig) -> dict:
+        import ray
+
+        from dlbatch.session import chip_resource, shutdown_ray, start_ray
+        from dlbatch.workers import WorkerSpec, make_worker_class
+
+        spec = self.spec
+        pools = self._pools()
+        chips: dict[str, int] = collections.Counter()
+        for p in pools.values():
+            chips[p.chip] += p.replicas
+        from dlbatch.engine.loader import model_dir
+
+        model_dir(spec.model.name)  # convert a GGUF once, before workers race for it
+        started = start_ray(spec.cluster.address, dict(chips))
+        workers: dict[str, list] = {}
+        try:
+            for role, pool in pools.items():
+                cls = make_worker_class(role)
+                threads = max(1, int(round(pool.num_cpus))) if pool.device == "cpu" else 1
+                if pool.device == "cpu" and len(pools) == 1:
+                    threads = max(threads, min(2, os.cpu_count() or 1))
+                wspec = WorkerSpec(model=spec.model.name, dtype=spec.model.dtype, device=pool.device,
+                                   max_model_len=spec.model.max_model_len, chat=spec.model.chat, num_threads=threads,
+                                   max_num_batched_tokens=max(512, min(spec.batching.max_batch_tokens, 4096)))
+                opts = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources={chip_resource(pool.chip): 1},
+                            max_restarts=4, max_task_retries=0)
+                workers[role] = [cls.options(**opts).remote(wspec, **self.worker_options) for _ in range(pool.replicas)]
+            ray.get([w.ping.remote() for ws in workers.values() for w in ws], timeout=600)
+            from pipelines import get_pipeline
+
+            pipeline = get_pipeline(spec.pipeline)
+            ds = pipeline.build(spec, files, skip_docs)
+            return self._drive(store, ds, workers, t_start, sig)
+        finally:
+            for ws in workers.values():
+                for w in ws:
+                    try:
+                        ray.kill(w)
+                    except Exception:  # already gone
+                        pass
+            shutdown_ray(started)
+
+    # ------------------------------------------------------------------------------------
+    def _drive(self, store, ds, workers, t_start, sig) -> dict:
+        import ray
+
+        from dlbatch.router import Request, Router, RouterConfig
+        from dlbatch.router.grouping import make_sampling_key
+
+        spec = self.spec
+        pd = "prefill" in workers
+        front = workers["prefill"] if pd else workers["colocated"]
+        decoders = workers.get("decode", [])
+        router = Router(len(front), RouterConfig(policy=spec.router.policy, window=spec.router.window))
+        K = len(spec.tasks)
+        smp = spec.sampling
+        max_attempts = spec.retries.max_attempts
+        max_batch_tokens = spec.batching.max_batch_tokens
+        inflight_cap = spec.batching.max_inflight_batches * max(len(front), len(decoders))
+
+        docs: dict[str, DocState] = {}
+        ready: collections.deque = collections.deque()  # request rows ready to route
+        inflight: dict = {}  # ref -> (items, front_idx, dec_idx)
+        dec_load = [0] * len(decoders)
+        commit_rows: list[dict] = []
+        commit_docs = 0
+        error_rows: list[dict] = []
+        last_flush = time.time()
+        new_ok = new_failed = rows_written = 0
+        prompt_tokens = output_tokens = 0
+        prompt_hist: list[int] = []
+        output_hist: list[int] = []
+        it = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+        exhausted = False
+        bar = self._progress_bar()
+        last_log = time.time()
+
+        def items_for(rows):
+            out = []
+            for r in rows:
+                out.append({"request_id": f"{r['doc_id']}::{r['task']}", "token_ids": list(r["prompt_ids"]),
+                            "max_tokens": int(r["max_tokens"]), "temperature": smp.temperature, "top_p": smp.top_p,
+                            "top_k": smp.top_k, "seed": int(r["seed"]) if smp.temperature > 0 else None})
+            return out
+
+        def dead_letter(doc: DocState, stage: str, etype: str, msg: str):
+            nonlocal new_failed
+            doc.failed = True
+            src = doc.rows[0]["source"] if doc.rows else ""
+            error_rows.append({"doc_id": doc.doc_id, "source": src, "stage": stage, "error_type": etype,
+                               "error": msg[:1000]})
+            log.warning("dead-lettered document %s (%s: %s)", doc.doc_id, etype, msg[:200])
+            new_failed += 1
+            docs.pop(doc.doc_id, None)
+
+        def submit(items, front_idx):
+            if pd:
+                d = min(range(len(decoders)), key=lambda i: dec_load[i])
+                load = sum(len(x["token_ids"]) + x["max_tokens"] for x in items)
+                dec_load[d] += load
+                pref = front[front_idx].prefill.remote(items)
+                ref = decoders[d].decode.remote(pref, items)
+                inflight[ref] = (items, front_idx, d, load)
+            else:
+                ref = front[front_idx].generate.remote(items)
+                inflight[ref] = (items, front_idx, None, 0)
+
+        def route_window(force: bool):
+            if not ready or (len(ready) < spec.router.window and not force):
+                return
+            window_rows = []
+            while ready and len(window_rows) < spec.router.window:
+                window_rows.append(ready.popleft())
+            # keep whole documents together: finish the last document's tasks
+            while ready and window_rows and ready[0]["doc_id"] == window_rows[-1]["doc_id"]:
+                window_rows.append(ready.popleft())
+            isolated = [r for r in window_rows if docs.get(r["doc_id"]) and docs[r["doc_id"]].isolate]
+            normal = [r for r in window_rows if r not in isolated]
+            by_id = {f"{r['doc_id']}::{r['task']}": r for r in normal}
+            reqs = [Request(rid, tuple(r["prompt_ids"]), int(r["max_tokens"]),
+                            None if smp.temperature == 0 else make_sampling_key(rid, smp.temperature, smp.top_p,
+                                                                                 smp.top_k, int(r["seed"])))
+                    for rid, r in by_id.items()]
+            routing = router.route(reqs) if reqs else []
+            for kept, dups in getattr(routing, "fanout", {}).items():
+                fanout.setdefault(kept, []).extend(dups)
+            for w, lst in enumerate(routing):
+                batch, tokens = [], 0
+                for req in lst:
+                    r = by_id[req.request_id]
+                    if batch and tokens + len(r["prompt_ids"]) > max_batch_tokens:
+                        submit(items_for(batch), w)
+                        batch, tokens = [], 0
+                    batch.append(r)
+                    tokens += len(r["prompt_ids"])
+                if batch:
+                    submit(items_for(batch), w)
+            # a document that crashed its worker before runs alone, on the next worker
+            groups: dict[str, list] = {}
+            for r in isolated:
+                groups.setdefault(r["doc_id"], []).append(r)
+            for d_id, rows in groups.items():
+                w = docs[d_id].attempts % len(front)
+                submit(items_for(rows), w)
+
+        fanout: dict[str, list[str]] = {}
+
+        def handle_result(res: dict):
+            nonlocal prompt_tokens, output_tokens
+            rid = res["request_id"]
+            targets = [rid] + fanout.pop(rid, [])
+            for t in targets:
+                doc_id, task = t.rsplit("::", 1)
+                doc = docs.get(doc_id)
+                if doc is None or doc.failed:
+                    continue
+                doc.results[task] = res
+
+        def fail_items(items, reason: str, etype: str):
+            nonlocal new_failed
+            failed_docs = {it["request_id"].rsplit("::", 1)[0] for it in items}
+            for d_id in failed_docs:
+                doc = docs.get(d_id)
+                if doc is None or doc.failed:
+                    continue
+                doc.attempts += 1
+                self.retries += 1
+                if doc.attempts >= max_attempts:
+                    dead_letter(doc, "generate", etype, f"failed {doc.attempts} times; last: {reason}")
+                    continue
+                doc.isolate = True
+                missing = [r for r in doc.rows if r["task"] not in doc.results]
+                ready.extendleft(reversed(missing))
+                log.warning("retrying document %s (attempt %d/%d) after %s", d_id, doc.attempts + 1,
+                            max_attempts, reason[:200])
+
+        def collect_done():
+            nonlocal commit_docs, new_ok, prompt_tokens, output_tokens
+            for d_id in [d for d, s in docs.items() if len(s.results) == K]:
+                doc = docs.pop(d_id)
+                for r in doc.rows:
+                    res = doc.results[r["task"]]
+                    commit_rows.append({"doc_id": doc.doc_id, "source": r["source"], "task": r["task"],
+                                        "output": res.get("output", ""), "prompt_tokens": len(r["prompt_ids"]),
+                                        "output_tokens": res.get("output_tokens", 0),
+                                        "finish_reason": res.get("finish_reason"), "truncated": bool(r["truncated"]),
+                                        "model": spec.model.name, "ttft_s": res.get("ttft_s"),
+                                        "latency_s": res.get("latency_s"), "text": r.get("text")})
+                    prompt_tokens += len(r["prompt_ids"])
+                    output_tokens += res.get("output_tokens", 0)
+                    prompt_hist.append(len(r["prompt_ids"]))
+                    output_hist.append(res.get("output_tokens", 0))
+                commit_docs += 1
+                new_ok += 1
+
+        def flush(force=False):
+            nonlocal commit_rows, commit_docs, error_rows, last_flush, rows_written
+            if not force and commit_docs < self.flush_docs and time.time() - last_flush < self.flush_seconds:
+                return
+            if commit_rows:
+                store.commit_results(commit_rows, spec.output.include_text)
+                rows_written += len(commit_rows)
+            if error_rows:
+                store.commit_errors(error_rows)
+            commit_rows, error_rows, commit_docs = [], [], 0
+            last_flush = time.time()
+            self.timeline.append({"t": round(time.time() - t_start, 3), "docs_done": new_ok + new_failed,
+                                  "tokens_done": prompt_tokens + output_tokens})
+
+        while True:
+            # pull from the dataset while there is room
+            while not exhausted and len(inflight) < inflight_cap and len(ready) < 2 * spec.router.window:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                for r in batch.to_pylist():
+                    if r.get("error"):
+                        doc = docs.setdefault(r["doc_id"], DocState(r["doc_id"], rows=[r]))
+                        dead_letter(doc, r.get("stage") or "parse", r.get("error_type") or "Error", r["error"])
+                        continue
+                    doc = docs.setdefault(r["doc_id"], DocState(r["doc_id"]))
+                    if any(x["task"] == r["task"] for x in doc.rows):
+                        continue  # the same document twice in the input: computed once
+                    doc.rows.append(r)
+                    ready.append(r)
+            if len(inflight) < inflight_cap:
+                route_window(force=exhausted or not inflight)
+            if not inflight:
+                if exhausted and not ready:
+                    break
+                if not ready:
+                    continue
+            if inflight:
+                done, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)
+                for ref in done:
+                    items, fi, di, load = inflight.pop(ref)
+                    if di is not None:
+                        dec_load[di] -= load
+                    try:
+                        results = ray.get(ref, timeout=60)
+                    except Exception as e:  # worker died (restarted by Ray) or lost the KV payload
+                        fail_items(items, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", "WorkerCrash")
+                        continue
+                    bad = [r for r in results if "error" in r]
+                    for r in results:
+                        if "error" not in r:
+                            handle_result(r)
+                    if bad:
+                        fail_items([it for it in items if it["request_id"] in {b["request_id"] for b in bad}],
+                                   bad[0]["error"], "EngineError")
+            collect_done()
+            flush()
+            if bar is not None:
+                bar.n = self.already_done + self.already_failed + new_ok + new_failed
+                bar.set_postfix_str(self._rate(t_start, prompt_tokens + output_tokens), refresh=False)
+                bar.refresh()
+            elif time.time() - last_log > 10:
+                last_log = time.time()
+                log.info("progress: %d documents done, %d failed, %d tokens, %s", new_ok, new_failed,
+                         prompt_tokens + output_tokens, self._rate(t_start, prompt_tokens + output_tokens))
+        collect_done()
+        flush(force=True)
+        if bar is not None:
+            bar.close()
+        stats = {}
+        try:
+            stats = {role: ray.get([w.stats.remote() for w in ws], timeout=60) for role, ws in workers.items()}
+        except Exception as e:  # the report must not fail a finished job
+            log.warning("could not collect worker stats: %s", e)
+        report = self._finish(store, t_start, stats, new_ok, new_failed, rows_written,
+                              prompt_tokens=prompt_tokens, output_tokens=output_tokens, prompt_hist=prompt_hist,
+                              output_hist=output_hist, router=router.stats.to_dict())
+        store.write_json("_manifest.json", {**(store.read_json("_manifest.json") or {}), "complete": True,
+                                            "inputs": sig})
+        return report
+
+    # ------------------------------------------------------------------------------------
+    def _progress_bar(self):
+        if not self.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.docs_total_hint, initial=self.already_done + self.already_failed, unit="doc",
+                    desc=self.spec.name, file=sys.stderr)
+
+    @staticmethod
+    def _rate(t_start: float, tokens: int) -> str:
+        dt = max(1e-9, time.time() - t_start)
+        return f"{tokens / dt:.0f} tok/s"
+
+    def _finish(self, store, t_start, stats, new_ok, new_failed, rows, prompt_tokens=0, output_tokens=0,
+                prompt_hist=(), output_hist=(), router=None, noop_docs=False) -> dict:
+        from connectors.io_retry import retry_count
+
+        wall = time.time() - t_start
+        pools = {}
+        prefill_computed = 0
+        cached = 0
+        for role, sts in stats.items():
+            busy = [s.get("busy_s", 0.0) / max(wall, 1e-9) for s in sts]
+            pool = self.spec.cluster.pools().get(role)
+            pools[role] = {"replicas": len(sts), "chip": pool.chip if pool else None,
+                           "busy_fraction": round(sum(busy) / max(1, len(busy)), 4),
+                           "per_worker_busy": [round(b, 4) for b in busy]}
+            if role in ("prefill", "colocated"):
+                prefill_computed += sum(s.get("prefill_tokens_computed", 0) for s in sts)
+                cached += sum(s.get("prefix_hit_tokens", 0) for s in sts)
+        tokens = prompt_tokens + output_tokens
+        report = {
+            "job": self.spec.name, "docs_total": self.already_done + self.already_failed + new_ok + new_failed,
+            "docs_ok": self.already_done + new_ok, "docs_failed": self.already_failed + new_failed,
+            "docs_this_run": new_ok + new_failed, "rows_written": rows, "prompt_tokens": prompt_tokens,
+            "prefill_tokens_computed": prefill_computed, "prefix_cache_hit_tokens": cached,
+            "output_tokens": output_tokens, "wall_s": round(wall, 3),
+            "docs_per_s": round((new_ok + new_failed) / wall, 4) if wall > 0 else 0.0,
+            "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+            "plan": self.plan or {"pools": [{"role": r, "chip": p.chip, "replicas": p.replicas}
+                                            for r, p in self.spec.cluster.pools().items()]},
+            "pools": pools, "router": router or {}, "retries": {"worker": self.retries, "io": retry_count()},
+            "timeline": self.timeline, "prompt_token_hist": list(prompt_hist), "output_token_hist": list(output_hist),
+        }
+        if self.plan and self.plan.get("usd_per_hour"):
+            usd_h = float(self.plan["usd_per_hour"])
+            report["cost"] = {"usd_per_hour": usd_h, "usd_total": round(usd_h * wall / 3600, 6),
+                              "usd_per_million_tokens": round(usd_h * wall / 3600 / max(tokens, 1) * 1e6, 6)}
+        store.write_json("_report.json", report)
+        try:
+            from dlbatch.report_html import render_report
+
+            render_report(report, store.url, store.storage_options)
+        except Exception as e:  # pragma: no cover - a report figure must not fail the job
+            log.warning("could not render the HTML report: %s", e)
+        return report
