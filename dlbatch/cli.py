@@ -53,9 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    from dlbatch import cli_jobs
+    from dlbatch import bench, cli_cluster, cli_jobs
+    from dlbatch.solver import cli as solver_cli
 
-    return [cli_jobs.register]
+    return [cli_jobs.register, bench.register, cli_cluster.register, solver_cli.register]
 
 
 _EXTRA_COMMANDS: list = []

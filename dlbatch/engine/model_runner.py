@@ -19,6 +19,7 @@ class AttnMeta:
     decode_gather: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
+    decode_runs: list | None = None  # per sequence: [(first_slot, n_tokens), ...] contiguous in the cache
     sliding_window: int | None = None
 
 
@@ -88,9 +89,27 @@ class ModelRunner:
             if window is not None:
                 mask &= kpos > (dl.unsqueeze(1) - 1 - window)
             dm = mask[:, None, None, :]
+            runs_all = []
+            bs = self.block_size
+            for s, L in zip(decodes, lens):
+                lo = 0 if window is None else max(0, L - window)
+                table = s.seq.block_table
+                runs = []
+                p = lo
+                while p < L:
+                    blk = table[p // bs]
+                    start = blk * bs + p % bs
+                    n = min(bs - p % bs, L - p)
+                    p += n
+                    if runs and runs[-1][0] + runs[-1][1] == start:
+                        runs[-1] = (runs[-1][0], runs[-1][1] + n)
+                    else:
+                        runs.append((start, n))
+                runs_all.append(runs)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         meta = AttnMeta(slots=t(slots), num_prefill_tokens=num_prefill, prefill=prefill_meta,
-                        decode_gather=dg, decode_mask=dm, decode_lens=dl, sliding_window=self.mconf.sliding_window)
+                        decode_gather=dg, decode_mask=dm, decode_lens=dl, sliding_window=self.mconf.sliding_window,
+                        decode_runs=runs_all if decodes else None)
         return t(ids), t(pos), meta, t(logits_rows), logits_seqs
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
