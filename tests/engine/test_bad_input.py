@@ -134,3 +134,22 @@ def test_stop_strings_and_seeded_sampling(tiny_path):
     assert b[0].token_ids == a and b[2].token_ids == a
     other = llm.generate(p, SamplingParams(max_tokens=10, temperature=1.0, seed=124, ignore_eos=True))[0].token_ids
     assert other != a
+
+
+def test_hf_directory_from_fsspec_url(tiny_path):
+    """Weights, config and tokenizer read through fsspec (memory:// here, s3:// alike)."""
+    import os
+
+    import fsspec
+
+    from dlbatch import LLM, SamplingParams
+
+    fs = fsspec.filesystem("memory")
+    for name in os.listdir(tiny_path):
+        with open(os.path.join(tiny_path, name), "rb") as f:
+            fs.pipe_file(f"/tinyllama/{name}", f.read())
+    local = LLM(tiny_path, dtype="float32", max_model_len=64, chat=False)
+    remote = LLM("memory://tinyllama", dtype="float32", max_model_len=64, chat=False)
+    assert remote.fingerprint == local.fingerprint
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    assert remote.generate([[5, 6, 7]], sp)[0].token_ids == local.generate([[5, 6, 7]], sp)[0].token_ids
