@@ -31,6 +31,7 @@ class WorkerSpec:
     num_threads: int = 1
     block_size: int = 16
     storage_options: dict | None = None
+    kv_transport: str = "object_store"  # how prefill workers hand KV to decode workers
 
 
 def request_params(r: dict):
@@ -62,6 +63,7 @@ class EngineLoop:
         self.busy_s = 0.0
         self.started = time.time()
         self.error: BaseException | None = None
+        self._transports: dict = {}
         self.thread = threading.Thread(target=self._loop, name=f"dlbatch-{role}-engine", daemon=True)
         self.thread.start()
 
@@ -92,6 +94,9 @@ class EngineLoop:
         from dlbatch.transfer.payload import layer_to_torch, validate
 
         payload = item["kv"]
+        via = item.get("kv_via", "object_store")
+        if via != "object_store":  # a handle: pull the payload through that transport
+            payload = self.transport(via).receive(payload, timeout=120, expected_fingerprint=self.llm.fingerprint)
         validate(payload, expected_fingerprint=self.llm.fingerprint)
         layers = [layer_to_torch(payload, i) for i in range(payload.meta.num_layers)]
         return self.engine.add_imported(item["request_id"], item["token_ids"], item["first_token"],
@@ -130,13 +135,23 @@ class EngineLoop:
                 self.futures.clear()
                 eng.scheduler.abort_all()
 
+    def transport(self, name: str):
+        if name not in self._transports:
+            from dlbatch.transfer.base import get_transport
+
+            self._transports[name] = get_transport(name, same_node=True, device=self.spec.device)
+        return self._transports[name]
+
     def _result(self, seq) -> dict:
         if self.role == "prefill":
             from dlbatch.transfer.payload import from_torch_layers
 
             kv = from_torch_layers(seq.kv_export, self.llm.fingerprint) if seq.kv_export is not None else None
             seq.kv_export = None
-            return {"request_id": seq.seq_id, "token_ids": list(seq.prompt_ids), "first_token": seq.output_ids[0],
+            via = self.spec.kv_transport if self.spec.kv_transport != "auto" else "object_store"
+            if kv is not None and via != "object_store":
+                kv = self.transport(via).send(kv)
+            return {"kv_via": via, "request_id": seq.seq_id, "token_ids": list(seq.prompt_ids), "first_token": seq.output_ids[0],
                     "finish_reason": seq.pd_finish, "generator_state": seq.generator_state, "kv": kv,
                     "ttft_s": (seq.first_token_time - seq.arrival) if seq.first_token_time else None,
                     "cached_tokens": seq.num_cached}

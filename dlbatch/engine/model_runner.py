@@ -30,6 +30,8 @@ class ModelRunner:
         self.econf = econf
         self.device = model.device
         self.block_size = econf.block_size
+        # the reference decode attention needs a padded gather index; device ops may not
+        self.need_gather = model.ops.chosen.get("paged_decode_attention") == "reference"
         self.kv_cache = torch.zeros(
             (2, mconf.num_layers, num_blocks, econf.block_size, mconf.num_kv_heads, mconf.head_dim),
             dtype=model.dtype, device=model.device)
@@ -54,8 +56,11 @@ class ModelRunner:
         for s in prefills:
             seq, start, n = s.seq, s.seq.num_computed, s.num_new
             q_start = len(ids)
-            all_ids = seq.all_ids
-            ids.extend(all_ids[start:start + n])
+            npr = len(seq.prompt_ids)
+            if start + n <= npr:
+                ids.extend(seq.prompt_ids[start:start + n])
+            else:
+                ids.extend(seq.all_ids[start:start + n])
             pos.extend(range(start, start + n))
             slots.extend(self._slots(seq.block_table, start, start + n))
             gather = None
@@ -71,24 +76,27 @@ class ModelRunner:
             lens = [s.seq.num_computed + 1 for s in decodes]
             lmax = max(lens)
             window = self.mconf.sliding_window
+            bs = self.block_size
             gather_rows = []
             for s, L in zip(decodes, lens):
                 seq = s.seq
                 p = seq.num_computed
-                ids.append(seq.all_ids[p])
+                npr = len(seq.prompt_ids)
+                ids.append(seq.prompt_ids[p] if p < npr else seq.output_ids[p - npr])
                 pos.append(p)
-                sl = self._slots(seq.block_table, 0, L)
-                slots.append(sl[-1])
-                gather_rows.append(sl + [0] * (lmax - L))
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+                if self.need_gather:
+                    gather_rows.append(self._slots(seq.block_table, 0, L) + [0] * (lmax - L))
                 logits_rows.append(len(ids) - 1)
                 logits_seqs.append(seq)
-            dg = torch.tensor(gather_rows, dtype=torch.long, device=self.device)
             dl = torch.tensor(lens, dtype=torch.long, device=self.device)
-            kpos = torch.arange(lmax, device=self.device).unsqueeze(0)
-            mask = kpos < dl.unsqueeze(1)
-            if window is not None:
-                mask &= kpos > (dl.unsqueeze(1) - 1 - window)
-            dm = mask[:, None, None, :]
+            if self.need_gather:
+                dg = torch.tensor(gather_rows, dtype=torch.long, device=self.device)
+                kpos = torch.arange(lmax, device=self.device).unsqueeze(0)
+                mask = kpos < dl.unsqueeze(1)
+                if window is not None:
+                    mask &= kpos > (dl.unsqueeze(1) - 1 - window)
+                dm = mask[:, None, None, :]
             runs_all = []
             bs = self.block_size
             for s, L in zip(decodes, lens):

@@ -74,6 +74,12 @@ def test_greedy_matches_transformers(tiny):
     for ids, o in zip(prompts, outs):
         assert o.token_ids == _hf_greedy(hf, ids, 12), arch
         assert o.finish_reason == "length"
+    # the reference implementation of every op gives the same tokens as the device ones
+    ref_ops = {name: "reference" for name in llm.engine.ops.chosen}
+    ref = LLM(path, dtype="float32", max_model_len=256, chat=False, op_overrides=ref_ops)
+    assert set(ref.engine.ops.chosen.values()) == {"reference"}
+    assert [o.token_ids for o in ref.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))] == \
+        [o.token_ids for o in outs]
 
 
 def test_greedy_with_prefix_hits_chunking_and_preemption(tiny):
