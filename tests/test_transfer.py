@@ -37,6 +37,7 @@ def make_layers(dtype, n_layers=3, tokens=7, heads=2, dim=8, seed=0):
 def no_shm_leaks():
     before = set(S.list_segments())
     yield
+    S.drain_pool()  # idle pooled segments are this process's, not leaks
     leaked = set(S.list_segments()) - before
     for name in leaked:
         os.unlink(os.path.join(S.SHM_DIR, name))
@@ -208,6 +209,58 @@ def test_shm_one_shot_send_receive():
     q = tr.receive(handle, timeout=5, expected_fingerprint=FP)
     assert [a.tobytes() for a in p.layers] == [b.tobytes() for b in q.layers]
     assert torch.equal(P.layer_to_torch(q, 1), P.layer_to_torch(p, 1))
+    # the received segment went back to this process's pool, not unlinked
+    assert handle.name in S.list_segments()
+    assert S.drain_pool() == [handle.name]
+    assert handle.name not in S.list_segments()
+
+
+def test_shm_pool_reuses_segment_and_rejects_stale_handle():
+    p = P.from_torch_layers(make_layers(torch.float32), FP)
+    tr = S.ShmTransport()
+    S.drain_pool()
+    h1 = tr.send(p)
+    assert S.pool_stats()["outstanding"] == 1
+    tr.receive(h1, timeout=5)  # sets the done flag
+    before = S.pool_stats()
+    assert before["idle"] == 1 and before["outstanding"] == 0
+    h2 = tr.send(p)  # same size class: same (already faulted) segment, new generation
+    assert h2.name == h1.name and h2.generation != h1.generation
+    assert S.pool_stats()["reused"] == before["reused"] + 1
+    with pytest.raises(Exception, match="reused"):
+        tr.open_receiver(h1)  # a stale handle never reads the next payload
+    q = tr.receive(h2, timeout=5)
+    assert [a.tobytes() for a in p.layers] == [b.tobytes() for b in q.layers]
+    # a different size class gets its own segment; a non-pooled sender is unlinked on release
+    big = P.from_torch_layers(make_layers(torch.float32, tokens=50000), FP)
+    h3 = tr.send(big)
+    assert h3.name != h1.name and S.size_class(h3.size + 64) > S.size_class(h1.size + 64)
+    tr.receive(h3, timeout=5)
+    sender = tr.open_sender(p.meta, pooled=False)
+    for i, a in enumerate(p.layers):
+        sender.send_layer(i, a)
+    h4 = sender.close()
+    tr.receive(h4, timeout=5)
+    assert h4.name not in S.list_segments()
+    assert sorted(S.drain_pool()) == sorted([h1.name, h3.name])
+    S.prewarm(p.meta)  # a pre-faulted idle segment: the next sender of that shape takes it
+    stats = S.pool_stats()
+    assert stats["idle"] == 1
+    h5 = tr.send(p)
+    assert S.pool_stats()["reused"] == stats["reused"] + 1
+    tr.receive(h5, timeout=5)
+    assert S.size_class(1) == 1 << 20 and S.size_class((256 << 20) + 1) == 320 << 20
+
+
+def test_shm_sender_exits_before_receiver():
+    # ownership passes to the receiver at close: the sender's exit must not unlink an unreceived segment
+    p = P.from_torch_layers(make_layers(torch.float32), FP)
+    proc, conn, handle = _start_child(p.meta.without_checksums(), p.layers)
+    assert conn.poll(20) and conn.recv() == "done"
+    proc.join(10)
+    assert proc.exitcode == 0 and handle.name in S.list_segments()
+    q = S.ShmTransport().receive(handle, timeout=5)
+    assert [a.tobytes() for a in p.layers] == [b.tobytes() for b in q.layers]
     assert handle.name not in S.list_segments()
 
 
@@ -254,6 +307,37 @@ def test_shm_corrupt_layer_detected():
     with pytest.raises(CorruptPayload, match="layer 1"):
         tr.receive(handle, timeout=5)
     assert handle.name not in S.list_segments()
+
+
+@pytest.mark.parametrize("algo", P.CHECKSUM_ALGOS)
+def test_shm_receive_into_destination_verifies(algo):
+    p = P.from_torch_layers(make_layers(torch.bfloat16, tokens=301), FP, checksum_algo=algo)
+    tr = S.ShmTransport()
+    dest = np.zeros((3, *p.meta.layer_shape), dtype=np.uint16)
+    handle = tr.send(p)
+    rx = tr.open_receiver(handle)
+    got = [i for i, arr in rx.receive_layers(timeout=5, out=dest.__getitem__) if arr is not None]
+    rx.release()
+    assert got == [0, 1, 2] and all(np.array_equal(dest[i], p.layers[i]) for i in range(3))
+    sender = tr.open_sender(p.meta)  # reuses the segment
+    for i, a in enumerate(p.layers):
+        sender.send_layer(i, a)
+    sender._shm.buf[P.buffer_layout(sender.meta).layer_offsets[2] + 1] ^= 0x10
+    rx = tr.open_receiver(sender.close())
+    with pytest.raises(CorruptPayload, match="layer 2"):
+        for _ in rx.receive_layers(timeout=5, out=dest.__getitem__):
+            pass
+
+
+def test_copy_checksum_matches_checksum():
+    rng = np.random.default_rng(1)
+    for n in (1, 7, 8, 1003, (1 << 20) + 13):
+        a = rng.integers(0, 256, size=n, dtype=np.uint8)
+        a[:8] = 255  # words near 2**64: the sum must wrap
+        d = np.empty_like(a)
+        for algo in P.CHECKSUM_ALGOS:
+            assert P.copy_checksum(d, a, algo) == P.checksum(a, algo) and np.array_equal(d, a)
+        assert P.copy_checksum(d, a, None) is None
 
 
 def test_shm_bad_layer_and_abort():

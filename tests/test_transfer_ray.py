@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 from dlbatch.transfer import payload as P  # noqa: E402
 from dlbatch.transfer import rdt  # noqa: E402
 from dlbatch.transfer.base import get_transport  # noqa: E402
-from dlbatch.transfer.errors import FingerprintMismatch, SenderDied, TransferTimeout  # noqa: E402
+from dlbatch.transfer.errors import CorruptPayload, FingerprintMismatch, SenderDied, TransferTimeout  # noqa: E402
 from dlbatch.transfer.object_store import ObjectStoreHandle  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -92,6 +92,15 @@ def test_object_store_in_process_and_fingerprint(ray_local):
         tr.receive(handle, timeout=10, expected_fingerprint="mistral:1")
     q = tr.receive(handle, timeout=10, expected_fingerprint=FP)
     assert [a.tobytes() for a in q.layers] == [a.tobytes() for a in p.layers]
+    # import straight into a destination, verified on the way
+    dest = np.zeros((3, *p.meta.layer_shape), dtype=np.uint16)
+    rx = tr.open_receiver(handle)
+    assert [i for i, _ in rx.receive_layers(timeout=10, out=dest.__getitem__)] == [0, 1, 2]
+    assert all(np.array_equal(dest[i], p.layers[i]) for i in range(3))
+    bad = ObjectStoreHandle(handle.meta, handle.refs, (handle.checksums[0], handle.checksums[1] ^ 1, None))
+    with pytest.raises(CorruptPayload, match="layer 1"):
+        for _ in tr.open_receiver(bad).receive_layers(timeout=10, out=dest.__getitem__):
+            pass
 
 
 def test_object_store_receive_timeout(ray_local):

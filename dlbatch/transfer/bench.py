@@ -4,12 +4,21 @@ Bandwidth: a bf16 payload of the given size (``num_layers`` layers, 8 KV heads x
 goes sender -> receiver in another process and is copied into a destination tensor
 (what import costs: one copy into the paged cache). Timed from the first
 ``send_layer`` to the receiver's last copy; medians over ``repeats``. Baselines in
-the same run: ``torch`` ``copy_`` and ``numpy.copyto`` of the same size.
+the same run: ``torch`` ``copy_`` and ``numpy.copyto`` of the same size; the ratio is
+against the faster of the two.
 
 Overlap: an 8K-token prefill streamed layer by layer. Each layer "computes" with a
-real bf16 matmul loop sized to ``compute_s_per_layer``, then hands its KV to the
-transport (on a background thread), while the receiver consumes. Hidden fraction
-= (compute + transfer - overlapped) / transfer.
+real fp32 matmul loop sized to ``compute_s_per_layer`` (bf16 matmul is emulated and
+~300x slower on this CPU), then hands its KV to the transport (on a background
+thread), while the receiver consumes. The compute runs on ``compute_threads`` (1)
+torch threads, standing in for accelerator compute: on CPU the transfer is itself
+CPU work (memcpy), so with every core computing nothing can hide. Compute-only, transfer-only and both are run
+interleaved ``overlap_rounds`` times after a warm-up; hidden fraction
+= (compute + transfer - both) / transfer from the medians.
+
+Each bandwidth measurement runs ``repeats + 1`` times: the first pays the
+first-touch page faults (fresh shm segment, untouched object-store pages, the
+destination), is reported as "cold", and the median of the rest is the result.
 """
 
 from __future__ import annotations
@@ -71,13 +80,17 @@ def _shm_child(conn, verify):
         rx = tr.open_receiver(handle, verify=verify)
         if dest is None:
             dest = torch.empty((handle.meta.num_layers, *handle.meta.layer_shape), dtype=torch.bfloat16)
-        for i, view in rx.receive_layers(timeout=120):
-            dest[i].copy_(torch.from_numpy(view).view(torch.bfloat16))  # torch's uint16 copy is slow
+            dest_np = dest.view(torch.uint16).numpy()
+        t = time.perf_counter()
+        # the import copy, checksum verified on the way (one pass over the segment)
+        for _ in rx.receive_layers(timeout=120, out=dest_np.__getitem__):
+            pass
+        copy_s = time.perf_counter() - t  # includes waiting for the sender (pipelined)
         rx.release()
-        conn.send(time.monotonic())
+        conn.send((time.monotonic(), copy_s))
 
 
-def _run_shm(meta, layers, repeats, verify, compute=None):
+def _run_shm(meta, layers, repeats, verify, compute=None, with_parts=False, schedule=None):
     from dlbatch.transfer.shm import ShmTransport
 
     ctx = mp.get_context("spawn")  # fork after torch/OpenMP or Ray threads started can deadlock
@@ -85,29 +98,43 @@ def _run_shm(meta, layers, repeats, verify, compute=None):
     proc = ctx.Process(target=_shm_child, args=(child, verify), daemon=True)
     proc.start()
     tr = ShmTransport()
-    times = []
+    times, parts = [], []
     try:
         if not parent.poll(120) or parent.recv() != "ready":
             raise TimeoutError("shm bench receiver process did not start within 120s")
-        for _ in range(repeats):
+        for step in schedule or [compute] * repeats:
+            if step == "compute_only":  # overlap baseline, interleaved with the transfers
+                times.append(_time_compute(compute, len(layers)))
+                parts.append({})
+                continue
             t0 = time.monotonic()
             sender = tr.open_sender(meta, verify=verify)
             parent.send(sender.handle)
-            _produce(sender, layers, compute)
+            _produce(sender, layers, step)
             sender.close()
+            send_s = time.monotonic() - t0
             deadline = time.monotonic() + 300
             while not parent.poll(0.5):
                 if not proc.is_alive():
                     raise RuntimeError(f"shm bench receiver process died (exit code {proc.exitcode})")
                 if time.monotonic() > deadline:
                     raise TimeoutError("shm bench receiver did not finish within 300s")
-            times.append(parent.recv() - t0)
+            done, copy_s = parent.recv()
+            times.append(done - t0)
+            parts.append({"send_s": send_s, "receive_copy_verify_s": copy_s})
     finally:
         parent.send(None)
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    return times
+    return (times, parts) if with_parts else times
+
+
+def _time_compute(compute, n: int) -> float:
+    t0 = time.monotonic()
+    for _ in range(n):
+        compute()
+    return time.monotonic() - t0
 
 
 def _produce(sender, layers, compute):
@@ -132,43 +159,85 @@ def _object_store_actor():
     @ray.remote(num_cpus=0.5)
     class KVSink:
         def consume(self, handle, verify):
+            import ray
             import torch
 
             from dlbatch.transfer.object_store import ObjectStoreReceiver
 
             rx = ObjectStoreReceiver(handle, verify)
             meta = handle.meta
-            dest = torch.empty((meta.num_layers, *meta.layer_shape), dtype=torch.bfloat16)
-            for i, arr in rx.receive_layers(timeout=300):
-                dest[i].copy_(torch.from_numpy(arr).view(torch.bfloat16))
+            if getattr(self, "_dest_shape", None) != (meta.num_layers, *meta.layer_shape):
+                self._dest_shape = (meta.num_layers, *meta.layer_shape)
+                self._dest = torch.empty(self._dest_shape, dtype=torch.bfloat16)  # the "paged cache"
+            dest = self._dest.view(torch.uint16).numpy()
+            get_s = copy_s = 0.0
+            refs = handle.refs
+            t = time.perf_counter()
+            ray.get(list(refs), timeout=300)  # zero-copy views: time to map/pin the objects
+            get_s = time.perf_counter() - t
+            t = time.perf_counter()
+            for _ in rx.receive_layers(timeout=300, out=dest.__getitem__):  # import copy + verify
+                pass
+            copy_s = time.perf_counter() - t
             rx.release()
-            return time.monotonic()
+            return time.monotonic(), get_s, copy_s
 
-    return KVSink.remote()
+        def warm(self):
+            import torch  # noqa: F401  (imports are not part of the transfer)
+
+            import dlbatch.transfer.object_store  # noqa: F401
+
+            return True
+
+    sink = KVSink.remote()
+    ray.get(sink.warm.remote(), timeout=300)
+    return sink
 
 
-def _run_object_store(meta, layers, repeats, verify, sink, compute=None):
+def _run_object_store(meta, layers, repeats, verify, sink, compute=None, with_parts=False, schedule=None):
     import ray
 
     from dlbatch.transfer.object_store import ObjectStoreTransport
 
     tr = ObjectStoreTransport()
-    times = []
-    for _ in range(repeats):
+    times, parts = [], []
+    for step in schedule or [compute] * repeats:
+        if step == "compute_only":
+            times.append(_time_compute(compute, len(layers)))
+            parts.append({})
+            continue
         t0 = time.monotonic()
         sender = tr.open_sender(meta, verify=verify)
-        _produce(sender, layers, compute)
+        _produce(sender, layers, step)
         handle = sender.close(timeout=300)
-        done = ray.get(sink.consume.remote(handle, verify), timeout=600)
+        put_s = time.monotonic() - t0
+        done, get_s, copy_s = ray.get(sink.consume.remote(handle, verify), timeout=600)
         times.append(done - t0)
+        parts.append({"put_s": put_s, "get_s": get_s, "import_copy_verify_s": copy_s})
         del handle, sender
-    return times
+    return (times, parts) if with_parts else times
+
+
+def _checksum_speed(layer: np.ndarray) -> dict:
+    """GB/s of each checksum over one layer (the per-layer cost on each side with verify)."""
+    from dlbatch.transfer.payload import CHECKSUM_ALGOS, checksum
+
+    out = {}
+    for algo in CHECKSUM_ALGOS:
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            checksum(layer, algo)
+            ts.append(time.perf_counter() - t0)
+        out[algo] = _gbps(layer.nbytes, statistics.median(ts))
+    return out
 
 
 # ---------------------------------------------------------------- overlap
-def _matmul_compute(seconds: float):
+def _matmul_compute(seconds: float, threads: int = 1):
     import torch
 
+    torch.set_num_threads(threads)  # see bench_kv(compute_threads=...)
     n = 256  # fp32: on this sandbox bf16 matmul measured ~300x slower than fp32
     a = torch.randn(n, n)
     b = torch.randn(n, n)
@@ -196,6 +265,8 @@ def bench_kv(
     overlap_tokens: int = 8192,
     overlap_layers: int = 16,
     compute_s_per_layer: float = 0.05,
+    overlap_rounds: int = 3,
+    compute_threads: int = 1,
     print_table: bool = True,
 ) -> dict:
     """Run the benchmark; returns a JSON-friendly dict (and prints a table)."""
@@ -222,43 +293,68 @@ def bench_kv(
             meta = make_meta("bench:0", "bfloat16", num_layers, tokens, HEADS, DIM)
             nbytes = meta.nbytes
             row = {"bytes": nbytes, "memcpy_gbps": _memcpy(nbytes, repeats), "transports": {}}
-            base = row["memcpy_gbps"]["torch_copy_"]
+            # the better of the two copies is the physical limit (torch's copy_ runs 2 threads and
+            # suffers most on a loaded machine; using the slower one would flatter the ratio)
+            base = max(row["memcpy_gbps"].values())
             for t in transports:
-                ts = (
-                    _run_shm(meta, layers, repeats, verify)
+                # one more repeat than asked: the first pays first-touch page faults (fresh shm
+                # segment / untouched plasma pages / destination), the rest run warm
+                ts, parts = (
+                    _run_shm(meta, layers, repeats + 1, verify, with_parts=True)
                     if t == "shm"
-                    else _run_object_store(meta, layers, repeats, verify, sink)
+                    else _run_object_store(meta, layers, repeats + 1, verify, sink, with_parts=True)
                 )
-                gbps = _gbps(nbytes, statistics.median(ts))
-                row["transports"][t] = {"median_gbps": gbps, "ratio_to_memcpy": gbps / base, "times_s": ts}
+                gbps = _gbps(nbytes, statistics.median(ts[1:]))
+                row["transports"][t] = {
+                    "median_gbps": gbps,
+                    "ratio_to_memcpy": gbps / base,
+                    "first_touch_gbps": _gbps(nbytes, ts[0]),
+                    "times_s": ts,
+                    "breakdown_s": {k: statistics.median(p[k] for p in parts[1:]) for k in parts[0]},
+                }
+            if "shm" in transports:
+                from dlbatch.transfer import shm as _shm
+
+                row["shm_pool"] = _shm.pool_stats()  # created vs reused segments (sender side)
+            row["checksum_gbps"] = _checksum_speed(layers[0])
             result["sizes"][str(size)] = row
             del layers
         if overlap:
             _, layers = _make_layers(overlap_tokens * overlap_layers * 2 * HEADS * DIM * ITEM, overlap_layers)
             meta = make_meta("bench:0", "bfloat16", overlap_layers, overlap_tokens, HEADS, DIM)
-            compute, reps, per = _matmul_compute(compute_s_per_layer)
-            t0 = time.perf_counter()
-            for _ in range(overlap_layers):
-                compute()
-            t_compute = time.perf_counter() - t0
+            import torch
+
+            threads_before = torch.get_num_threads()
+            compute, reps, per = _matmul_compute(compute_s_per_layer, compute_threads)
+
             for t in transports:
-                run = (
-                    (lambda c: _run_shm(meta, layers, 1, verify, c))
+                # one receiver for all runs; a warm-up transfer first, then rounds of
+                # compute-only / transfer-only / both, interleaved so load changes hit all alike
+                schedule = [None] + ["compute_only", None, compute] * overlap_rounds
+                ts = (
+                    _run_shm(meta, layers, 0, verify, compute, schedule=schedule)
                     if t == "shm"
-                    else (lambda c: _run_object_store(meta, layers, 1, verify, sink, c))
+                    else _run_object_store(meta, layers, 0, verify, sink, compute, schedule=schedule)
                 )
-                t_transfer = statistics.median(run(None)[0] for _ in range(3))
-                t_both = statistics.median(run(compute)[0] for _ in range(3))
+                tc, tt, tb = ts[1::3], ts[2::3], ts[3::3]
+                t_compute, t_transfer, t_both = map(statistics.median, (tc, tt, tb))
                 hidden = (t_compute + t_transfer - t_both) / t_transfer if t_transfer > 0 else 1.0
                 result["overlap"][t] = {
                     "tokens": overlap_tokens,
                     "layers": overlap_layers,
+                    "rounds": overlap_rounds,
                     "compute_s": t_compute,
                     "transfer_s": t_transfer,
                     "overlapped_s": t_both,
+                    "compute_runs_s": tc,
+                    "transfer_runs_s": tt,
+                    "both_runs_s": tb,
                     "hidden_fraction": max(0.0, min(1.0, hidden)),
                 }
-            result["overlap_compute"] = {"s_per_layer": compute_s_per_layer, "matmul_256_fp32_s": per, "reps": reps}
+            torch.set_num_threads(threads_before)
+            result["overlap_compute"] = {
+                "threads": compute_threads, "s_per_layer": compute_s_per_layer, "matmul_256_fp32_s": per, "reps": reps
+            }
     finally:
         if sink is not None:
             import ray
@@ -274,18 +370,33 @@ def bench_kv(
 
 
 def format_table(result: dict) -> str:
-    lines = [f"KV transfer bandwidth (median of {result['repeats']}, verify={result['verify']})"]
-    lines.append(f"{'size':>8} {'what':<16} {'GB/s':>7} {'x memcpy':>9}")
+    lines = [
+        f"KV transfer bandwidth (verify={result['verify']}): 'GB/s' is the median of {result['repeats']} warm "
+        f"repeats after one first-touch repeat ('cold')"
+    ]
+    lines.append(f"{'size':>8} {'what':<16} {'GB/s':>7} {'x memcpy':>9} {'cold GB/s':>10}  breakdown (warm, s)")
     for row in result["sizes"].values():
         size = f"{row['bytes'] / MB:.0f}MB"
         for name, g in row["memcpy_gbps"].items():
-            lines.append(f"{size:>8} {name:<16} {g:7.2f} {'':>9}")
+            lines.append(f"{size:>8} {name:<16} {g:7.2f}")
         for name, r in row["transports"].items():
-            lines.append(f"{size:>8} {name:<16} {r['median_gbps']:7.2f} {r['ratio_to_memcpy']:9.2f}")
+            parts = " ".join(f"{k}={v:.2f}" for k, v in r.get("breakdown_s", {}).items())
+            lines.append(
+                f"{size:>8} {name:<16} {r['median_gbps']:7.2f} {r['ratio_to_memcpy']:9.2f} "
+                f"{r.get('first_touch_gbps', float('nan')):10.2f}  {parts}"
+            )
+        if "shm_pool" in row:
+            sp = row["shm_pool"]
+            lines.append(f"{size:>8} shm pool: {sp['created']} segments created, {sp['reused']} reused so far")
+        if "checksum_gbps" in row:
+            lines.append(
+                f"{size:>8} checksum (1 layer) " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in row["checksum_gbps"].items())
+            )
     for name, o in result["overlap"].items():
         lines.append(
-            f"overlap {name}: {o['tokens']} tokens x {o['layers']} layers, compute {o['compute_s']:.2f}s, "
-            f"transfer {o['transfer_s']:.2f}s, both {o['overlapped_s']:.2f}s -> {o['hidden_fraction']:.0%} hidden"
+            f"overlap {name}: {o['tokens']} tokens x {o['layers']} layers, median of {o.get('rounds', 1)} interleaved "
+            f"rounds: compute {o['compute_s']:.2f}s, transfer {o['transfer_s']:.2f}s, both {o['overlapped_s']:.2f}s "
+            f"-> {o['hidden_fraction']:.0%} hidden"
         )
     return "\n".join(lines)
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from dlbatch.transfer.base import Deadline, KVReceiver, KVSender, Transport
 from dlbatch.transfer.errors import CorruptPayload, SenderDied, TransferError, TruncatedPayload
-from dlbatch.transfer.payload import KVMeta, check_layer, checksum
+from dlbatch.transfer.payload import KVMeta, check_layer, checksum, copy_checksum
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,13 @@ class ObjectStoreReceiver(KVReceiver):
         self.verify = verify
         self._held: list = []
 
-    def receive_layers(self, timeout: float) -> Iterator[tuple[int, np.ndarray]]:
+    def receive_layers(self, timeout: float, out=None) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield ``(i, layer)``: read-only zero-copy views of the store, verified first.
+
+        ``out``: optional ``out(i) -> ndarray`` destination for layer i (the import copy);
+        the layer is copied there with its checksum computed on the way, and the
+        destination is yielded (saves the separate checksum read of the store).
+        """
         ray = self._ray
         from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError, RayError
 
@@ -157,10 +163,15 @@ class ObjectStoreReceiver(KVReceiver):
                 raise TransferError(f"fetching KV layer {i} (object {ref.hex()}) failed: {e}") from e
             arr = check_layer(self.meta, i, arr)
             csum = self.handle.checksums[i] if i < len(self.handle.checksums) else None
-            if self.verify and csum is not None:
+            check = self.verify and csum is not None
+            if out is not None:
+                dst = out(i)
+                got = copy_checksum(dst, arr, self.meta.checksum_algo if check else None)
+                arr = dst
+            elif check:
                 got = checksum(arr, self.meta.checksum_algo)
-                if got != csum:
-                    raise CorruptPayload(i, csum, got, self.meta.checksum_algo)
+            if check and got != csum:
+                raise CorruptPayload(i, csum, got, self.meta.checksum_algo)
             self._held.append(arr)
             yield i, arr
 
