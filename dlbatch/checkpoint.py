@@ -124,17 +124,20 @@ class OutputStore:
         call_with_retry(self.fs.mv, tmp, self._p(name), op=f"commit {name}")
 
     def clear(self) -> int:
-        """--fresh: delete what this job wrote under the output path, nothing else."""
-        if not self.fs.exists(self.root):
+        """--fresh: delete what this job wrote under the output path, nothing else: committed
+        parts, dead letters, temporaries, manifest and report. Other files stay."""
+        from connectors.io_retry import call_with_retry
+
+        if not call_with_retry(self.fs.exists, self.root, op=f"exists {self.root}"):
             return 0
         n = 0
-        for f in self.fs.find(self.root):
+        for f in call_with_retry(self.fs.find, self.root, op=f"find {self.root}"):
             rel = f[len(self.root):].lstrip("/")
             name = rel.split("/")[-1]
             ours = (rel.startswith(("_errors/", "_tmp/")) or name in ("_manifest.json", "_report.json",
                     "_report.html", "_report.png") or (name.startswith("part-") and name.endswith(".parquet")))
             if ours:
-                self.fs.rm_file(f)
+                call_with_retry(self.fs.rm_file, f, op=f"delete {f}")
                 n += 1
         return n
 

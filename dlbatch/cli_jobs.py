@@ -16,6 +16,14 @@ def register(sub) -> None:
     p.add_argument("--address", default=None, help="attach to a Ray cluster: auto or ray://HOST:PORT")
     p.add_argument("--plan", default=None, help="a plan JSON written by `dlbatch plan`")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument("--commit-docs", type=int, default=16, metavar="N",
+                   help="commit a Parquet part at least every N finished documents (default 16)")
+    p.add_argument("--commit-seconds", type=float, default=5.0, metavar="S",
+                   help="... or every S seconds, whichever comes first (default 5)")
+    p.add_argument("--resource-timeout", type=float, default=120.0, metavar="S",
+                   help="fail when no node provides a pool's chip for S seconds (default 120)")
+    p.add_argument("--stall-timeout", type=float, default=1800.0, metavar="S",
+                   help="fail when no batch returns for S seconds while some are in flight (default 1800)")
     p.set_defaults(func=cmd_run)
 
     s = sub.add_parser("status", help="documents done / failed / pending and tokens, from the committed output")
@@ -56,10 +64,20 @@ def cmd_run(args) -> int:
     except ValueError as e:
         print(f"invalid job file: pipeline: {e}", file=sys.stderr)
         return EXIT_INVALID
-    from dlbatch.runner import JobRunner
+    from dlbatch.runner import JobFailed, JobRunner
 
     try:
-        report = JobRunner(spec, fresh=args.fresh, plan=plan, progress=None if not args.no_progress else False).run()
+        report = JobRunner(spec, fresh=args.fresh, plan=plan, progress=None if not args.no_progress else False,
+                           flush_docs=args.commit_docs, flush_seconds=args.commit_seconds,
+                           resource_timeout_s=args.resource_timeout, stall_timeout_s=args.stall_timeout).run()
+    except JobFailed as e:
+        print(f"job failed: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as e:  # permanent I/O error, or transient ones that outlived their retries
+        notes = "; ".join(getattr(e, "__notes__", []) or [])
+        print(f"job failed: {type(e).__name__}: {e}{f' ({notes})' if notes else ''}; "
+              f"committed output under {spec.output.path} is intact", file=sys.stderr)
+        return EXIT_FAILED
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID

@@ -21,7 +21,22 @@ log = logging.getLogger("dlbatch.run")
 
 
 class JobFailed(RuntimeError):
-    pass
+    """The job cannot go on (no worker or node can serve it); committed output is intact."""
+
+
+MAX_RESTARTS = 4  # per worker actor; Ray restarts a dead worker this many times
+
+
+def _actor_state(actor) -> str | None:
+    """ALIVE / RESTARTING / DEAD / PENDING_CREATION ... from the GCS actor table (no dashboard
+    needed); None when it cannot be read."""
+    try:
+        from ray._private import state as ray_state
+
+        info = ray_state.actors(actor_id=actor._actor_id.hex())
+        return info.get("State") if isinstance(info, dict) else None
+    except Exception:  # internal API moved: the stall timeout still bounds every wait
+        return None
 
 
 @dataclass
@@ -40,7 +55,8 @@ def inputs_signature(files: list[str]) -> str:
 
 class JobRunner:
     def __init__(self, spec, fresh: bool = False, plan: dict | None = None, progress: bool | None = None,
-                 worker_options: dict | None = None, flush_docs: int = 16, flush_seconds: float = 5.0):
+                 worker_options: dict | None = None, flush_docs: int = 16, flush_seconds: float = 5.0,
+                 resource_timeout_s: float = 120.0, stall_timeout_s: float = 1800.0):
         self.spec = spec
         self.fresh = fresh
         self.plan = plan
@@ -48,8 +64,15 @@ class JobRunner:
         self.worker_options = dict(worker_options or {})  # tests: fault injection
         self.flush_docs = flush_docs
         self.flush_seconds = flush_seconds
+        # a chip resource the pools need may be absent this long (node lost, none came back)
+        self.resource_timeout_s = resource_timeout_s
+        # no batch returned (result or error) for this long while batches are in flight
+        self.stall_timeout_s = stall_timeout_s
         self.retries = 0
         self.timeline: list[dict] = []
+        self.workers: dict[str, list] = {}  # role -> actor handles (tests: ping() gives pids)
+        self.inflight = 0  # batches in flight now (tests: kill a worker mid-batch)
+        self.io_retries_start = 0
 
     # ------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -57,8 +80,11 @@ class JobRunner:
         from dlbatch.checkpoint import OutputStore
         from dlbatch.jobspec import check_resume_compatible, fingerprint_fields, job_fingerprint
 
+        from connectors.io_retry import retry_count
+
         spec = self.spec
         t_start = time.time()
+        self.io_retries_start = retry_count()
         store = OutputStore(spec.output.path, dict(spec.output.storage_options))
         if self.fresh:
             n = store.clear()
@@ -113,6 +139,49 @@ class JobRunner:
                                 f"{self.plan.get('pools')}")
         return pools
 
+    def _missing_resources(self) -> list[str]:
+        import ray
+
+        have = ray.cluster_resources()
+        return [r for r in self.needed_resources if have.get(r, 0) < 1]
+
+    def _wait_for_resources(self, since: float) -> None:
+        """Wait (bounded) until some node provides every chip resource the pools ask for."""
+        while True:
+            missing = self._missing_resources()
+            if not missing:
+                return
+            if time.time() - since > self.resource_timeout_s:
+                raise JobFailed(self._no_resource_message(missing))
+            time.sleep(1.0)
+
+    def _no_resource_message(self, missing: list[str]) -> str:
+        import ray
+
+        pools = ", ".join(f"{self.needed_resources[r]} pool needs {r}" for r in missing)
+        return (f"no node of the Ray cluster provides {', '.join(missing)} ({pools}) and none came back within "
+                f"{self.resource_timeout_s:.0f} s; cluster resources: "
+                f"{ {k: v for k, v in ray.cluster_resources().items() if k.startswith('chip:')} }. "
+                f"Committed output is intact: rerun the job once such a node is up.")
+
+    def _wait_workers_up(self, workers: dict) -> None:
+        """Every worker answers ping (model loaded); bounded by the stall timeout."""
+        import ray
+
+        refs = [w.ping.remote() for ws in workers.values() for w in ws]
+        deadline = time.time() + max(600.0, self.resource_timeout_s)
+        pending = list(refs)
+        missing_since = None
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            missing = self._missing_resources()
+            missing_since = (missing_since or time.time()) if missing else None
+            if missing_since and time.time() - missing_since > self.resource_timeout_s:
+                raise JobFailed(self._no_resource_message(missing))
+            if time.time() > deadline:
+                raise JobFailed(f"{len(pending)} workers did not start within {max(600.0, self.resource_timeout_s):.0f} s")
+        ray.get(refs, timeout=60)  # raises if a worker failed to start
+
     def _run_pools(self, store, files, skip_docs, t_start, sig) -> dict:
         import ray
 
@@ -129,7 +198,10 @@ class JobRunner:
         model_dir(spec.model.name)  # convert a GGUF once, before workers race for it
         started = start_ray(spec.cluster.address, dict(chips))
         workers: dict[str, list] = {}
+        self.workers = workers
+        self.needed_resources = {chip_resource(p.chip): role for role, p in pools.items()}
         try:
+            self._wait_for_resources(time.time())
             for role, pool in pools.items():
                 cls = make_worker_class(role)
                 threads = max(1, int(round(pool.num_cpus))) if pool.device == "cpu" else 1
@@ -139,9 +211,9 @@ class JobRunner:
                                    max_model_len=spec.model.max_model_len, chat=spec.model.chat, num_threads=threads,
                                    max_num_batched_tokens=max(512, min(spec.batching.max_batch_tokens, 4096)))
                 opts = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources={chip_resource(pool.chip): 1},
-                            max_restarts=4, max_task_retries=0)
+                            max_restarts=MAX_RESTARTS, max_task_retries=0)
                 workers[role] = [cls.options(**opts).remote(wspec, **self.worker_options) for _ in range(pool.replicas)]
-            ray.get([w.ping.remote() for ws in workers.values() for w in ws], timeout=600)
+            self._wait_workers_up(workers)
             from pipelines import get_pipeline
 
             pipeline = get_pipeline(spec.pipeline)
@@ -165,7 +237,8 @@ class JobRunner:
 
         spec = self.spec
         pd = "prefill" in workers
-        front = workers["prefill"] if pd else workers["colocated"]
+        front_role = "prefill" if pd else "colocated"
+        front = workers[front_role]
         decoders = workers.get("decode", [])
         router = Router(len(front), RouterConfig(policy=spec.router.policy, window=spec.router.window))
         K = len(spec.tasks)
@@ -176,7 +249,14 @@ class JobRunner:
 
         docs: dict[str, DocState] = {}
         ready: collections.deque = collections.deque()  # request rows ready to route
-        inflight: dict = {}  # ref -> (items, front_idx, dec_idx)
+        # documents whose batch failed: each is retried alone, with nothing else in flight
+        # (quarantine), so a poison document cannot take innocent ones down with it again
+        suspects: collections.OrderedDict = collections.OrderedDict()  # doc_id -> rows to redo
+        inflight: dict = {}  # ref -> (items, front_idx, dec_idx, load, quarantine)
+        dead: dict[str, set] = {role: set() for role in workers}  # workers Ray will not restart
+        # workers that failed a call: nothing is sent to them until a ping answers again (a call to
+        # a restarting actor fails at once, and must not count as an attempt of a document)
+        unhealthy: dict[tuple, dict] = {}  # (role, idx) -> {"since", "probe", "next"}
         dec_load = [0] * len(decoders)
         commit_rows: list[dict] = []
         commit_docs = 0
@@ -190,6 +270,9 @@ class JobRunner:
         exhausted = False
         bar = self._progress_bar()
         last_log = time.time()
+        last_progress = time.time()
+        last_check = 0.0
+        missing_since: float | None = None
 
         def items_for(rows):
             out = []
@@ -208,18 +291,39 @@ class JobRunner:
             log.warning("dead-lettered document %s (%s: %s)", doc.doc_id, etype, msg[:200])
             new_failed += 1
             docs.pop(doc.doc_id, None)
+            suspects.pop(doc.doc_id, None)
 
-        def submit(items, front_idx):
+        def live(role: str, n: int) -> list[int]:
+            idx = [i for i in range(n) if i not in dead[role]]
+            if not idx:
+                raise JobFailed(f"every {role} worker is dead and Ray will not restart it again "
+                                f"(max_restarts={MAX_RESTARTS} used up, e.g. by a document that kills its worker "
+                                f"more often than that, or by lost nodes); {new_ok} documents were committed in "
+                                f"this run and committed output is intact: rerun to resume")
+            return idx
+
+        def available(role: str, n: int) -> list[int]:
+            """Live workers that are up now (not restarting); raises when every one is dead."""
+            return [i for i in live(role, n) if (role, i) not in unhealthy]
+
+        def can_submit() -> bool:
+            return bool(available(front_role, len(front))) and (not pd or bool(available("decode", len(decoders))))
+
+        def submit(items, front_idx, quarantine=False):
+            lf = available(front_role, len(front))
+            if front_idx not in lf:
+                front_idx = lf[front_idx % len(lf)]
             if pd:
-                d = min(range(len(decoders)), key=lambda i: dec_load[i])
+                d = min(available("decode", len(decoders)), key=lambda i: dec_load[i])
                 load = sum(len(x["token_ids"]) + x["max_tokens"] for x in items)
                 dec_load[d] += load
                 pref = front[front_idx].prefill.remote(items)
                 ref = decoders[d].decode.remote(pref, items)
-                inflight[ref] = (items, front_idx, d, load)
+                inflight[ref] = (items, front_idx, d, load, quarantine)
             else:
                 ref = front[front_idx].generate.remote(items)
-                inflight[ref] = (items, front_idx, None, 0)
+                inflight[ref] = (items, front_idx, None, 0, quarantine)
+            self.inflight = len(inflight)
 
         def route_window(force: bool):
             if not ready or (len(ready) < spec.router.window and not force):
@@ -230,8 +334,7 @@ class JobRunner:
             # keep whole documents together: finish the last document's tasks
             while ready and window_rows and ready[0]["doc_id"] == window_rows[-1]["doc_id"]:
                 window_rows.append(ready.popleft())
-            isolated = [r for r in window_rows if docs.get(r["doc_id"]) and docs[r["doc_id"]].isolate]
-            normal = [r for r in window_rows if r not in isolated]
+            normal = [r for r in window_rows if r["doc_id"] in docs]
             by_id = {f"{r['doc_id']}::{r['task']}": r for r in normal}
             reqs = [Request(rid, tuple(r["prompt_ids"]), int(r["max_tokens"]),
                             None if smp.temperature == 0 else make_sampling_key(rid, smp.temperature, smp.top_p,
@@ -251,18 +354,17 @@ class JobRunner:
                     tokens += len(r["prompt_ids"])
                 if batch:
                     submit(items_for(batch), w)
-            # a document that crashed its worker before runs alone, on the next worker
-            groups: dict[str, list] = {}
-            for r in isolated:
-                groups.setdefault(r["doc_id"], []).append(r)
-            for d_id, rows in groups.items():
-                w = docs[d_id].attempts % len(front)
-                submit(items_for(rows), w)
+
+        def run_suspect():
+            """One suspect document alone, with nothing else in flight."""
+            d_id, rows = suspects.popitem(last=False)
+            doc = docs[d_id]
+            lf = available(front_role, len(front))
+            submit(items_for(rows), lf[doc.attempts % len(lf)], quarantine=True)
 
         fanout: dict[str, list[str]] = {}
 
         def handle_result(res: dict):
-            nonlocal prompt_tokens, output_tokens
             rid = res["request_id"]
             targets = [rid] + fanout.pop(rid, [])
             for t in targets:
@@ -273,8 +375,11 @@ class JobRunner:
                 doc.results[task] = res
 
         def fail_items(items, reason: str, etype: str):
-            nonlocal new_failed
-            failed_docs = {it["request_id"].rsplit("::", 1)[0] for it in items}
+            failed_docs = dict.fromkeys(it["request_id"].rsplit("::", 1)[0] for it in items)
+            # requests folded onto a failed one (exact duplicates) failed with it
+            for it in items:
+                for t in fanout.pop(it["request_id"], []):
+                    failed_docs.setdefault(t.rsplit("::", 1)[0], None)
             for d_id in failed_docs:
                 doc = docs.get(d_id)
                 if doc is None or doc.failed:
@@ -282,18 +387,59 @@ class JobRunner:
                 doc.attempts += 1
                 self.retries += 1
                 if doc.attempts >= max_attempts:
-                    dead_letter(doc, "generate", etype, f"failed {doc.attempts} times; last: {reason}")
+                    dead_letter(doc, "generate", etype,
+                                f"failed on all {doc.attempts} attempts (retries.max_attempts={max_attempts}; "
+                                f"a document that keeps crashing its worker is a poison pill); last error: {reason}")
                     continue
                 doc.isolate = True
                 missing = [r for r in doc.rows if r["task"] not in doc.results]
-                ready.extendleft(reversed(missing))
-                log.warning("retrying document %s (attempt %d/%d) after %s", d_id, doc.attempts + 1,
+                suspects[d_id] = missing
+                log.warning("retrying document %s alone (attempt %d/%d) after %s", d_id, doc.attempts + 1,
                             max_attempts, reason[:200])
+
+        def note_crash(role: str, idx: int | None):
+            """After a failed call: hold the worker until it answers a ping; is it gone for good?"""
+            if idx is None or idx in dead[role]:
+                return
+            st = _actor_state(workers[role][idx])
+            if st == "DEAD":  # (when the state cannot be read, the stall timeout bounds the wait)
+                dead[role].add(idx)
+                unhealthy.pop((role, idx), None)
+                log.error("%s worker %d is dead and will not be restarted (state %s)", role, idx, st)
+                return
+            unhealthy.setdefault((role, idx), {"since": time.time(), "probe": None, "next": 0.0})
+
+        def check_health():
+            for key, h in list(unhealthy.items()):
+                role, idx = key
+                if idx in dead[role]:
+                    unhealthy.pop(key, None)
+                    continue
+                if h["probe"] is None:
+                    if time.time() >= h["next"]:
+                        h["probe"] = workers[role][idx].ping.remote()
+                    continue
+                done_, _ = ray.wait([h["probe"]], timeout=0)
+                if not done_:
+                    continue
+                try:
+                    ray.get(h["probe"], timeout=10)
+                except Exception as e:  # still restarting, or dead for good
+                    h["probe"], h["next"] = None, time.time() + 1.0
+                    if _actor_state(workers[role][idx]) == "DEAD":
+                        dead[role].add(idx)
+                        unhealthy.pop(key, None)
+                        log.error("%s worker %d is dead and will not be restarted: %s", role, idx,
+                                  str(e).splitlines()[0][:200])
+                    continue
+                unhealthy.pop(key, None)
+                log.info("%s worker %d is back after %.1f s", role, idx, time.time() - h["since"])
 
         def collect_done():
             nonlocal commit_docs, new_ok, prompt_tokens, output_tokens
             for d_id in [d for d, s in docs.items() if len(s.results) == K]:
                 doc = docs.pop(d_id)
+                suspects.pop(d_id, None)
                 for r in doc.rows:
                     res = doc.results[r["task"]]
                     commit_rows.append({"doc_id": doc.doc_id, "source": r["source"], "task": r["task"],
@@ -316,47 +462,81 @@ class JobRunner:
             if commit_rows:
                 store.commit_results(commit_rows, spec.output.include_text)
                 rows_written += len(commit_rows)
+                commit_rows, commit_docs = [], 0
             if error_rows:
                 store.commit_errors(error_rows)
-            commit_rows, error_rows, commit_docs = [], [], 0
+                error_rows = []
             last_flush = time.time()
             self.timeline.append({"t": round(time.time() - t_start, 3), "docs_done": new_ok + new_failed,
                                   "tokens_done": prompt_tokens + output_tokens})
 
-        while True:
-            # pull from the dataset while there is room
-            while not exhausted and len(inflight) < inflight_cap and len(ready) < 2 * spec.router.window:
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    exhausted = True
-                    break
-                for r in batch.to_pylist():
-                    if r.get("error"):
-                        doc = docs.setdefault(r["doc_id"], DocState(r["doc_id"], rows=[r]))
-                        dead_letter(doc, r.get("stage") or "parse", r.get("error_type") or "Error", r["error"])
-                        continue
-                    doc = docs.setdefault(r["doc_id"], DocState(r["doc_id"]))
-                    if any(x["task"] == r["task"] for x in doc.rows):
-                        continue  # the same document twice in the input: computed once
-                    doc.rows.append(r)
-                    ready.append(r)
-            if len(inflight) < inflight_cap:
-                route_window(force=exhausted or not inflight)
-            if not inflight:
-                if exhausted and not ready:
-                    break
-                if not ready:
+        def watchdog():
+            nonlocal last_check, missing_since
+            now = time.time()
+            if now - last_check < 2.0:
+                return
+            last_check = now
+            missing = self._missing_resources()
+            missing_since = (missing_since or now) if missing else None
+            if missing:
+                log.warning("waiting for a node that provides %s (%.0f s of %.0f s)", ", ".join(missing),
+                            now - missing_since, self.resource_timeout_s)
+                if now - missing_since > self.resource_timeout_s:
+                    raise JobFailed(self._no_resource_message(missing))
+            waiting = [now - h["since"] for h in unhealthy.values()]
+            if waiting and max(waiting) > self.stall_timeout_s:
+                raise JobFailed(f"a worker has not come back for {max(waiting):.0f} s after a crash (stall_timeout "
+                                f"{self.stall_timeout_s:.0f} s); committed output is intact: rerun to resume")
+            if inflight and now - last_progress > self.stall_timeout_s:
+                raise JobFailed(f"no batch finished or failed for {now - last_progress:.0f} s with {len(inflight)} "
+                                f"in flight (stall_timeout {self.stall_timeout_s:.0f} s); committed output is "
+                                f"intact: rerun to resume")
+
+        try:
+            while True:
+                watchdog()
+                # pull from the dataset while there is room
+                while not exhausted and len(inflight) < inflight_cap and len(ready) < 2 * spec.router.window:
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    for r in batch.to_pylist():
+                        if r.get("error"):
+                            doc = docs.setdefault(r["doc_id"], DocState(r["doc_id"], rows=[r]))
+                            dead_letter(doc, r.get("stage") or "parse", r.get("error_type") or "Error", r["error"])
+                            continue
+                        doc = docs.setdefault(r["doc_id"], DocState(r["doc_id"]))
+                        if any(x["task"] == r["task"] for x in doc.rows):
+                            continue  # the same document twice in the input: computed once
+                        doc.rows.append(r)
+                        ready.append(r)
+                check_health()
+                if suspects:
+                    if not inflight and can_submit():
+                        run_suspect()
+                elif len(inflight) < inflight_cap and can_submit():
+                    route_window(force=exhausted or not inflight)
+                if not inflight:
+                    if exhausted and not ready and not suspects:
+                        break
+                    if unhealthy:
+                        time.sleep(0.1)  # waiting for a worker to come back
                     continue
-            if inflight:
                 done, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)
                 for ref in done:
-                    items, fi, di, load = inflight.pop(ref)
+                    items, fi, di, load, _q = inflight.pop(ref)
+                    self.inflight = len(inflight)
+                    last_progress = time.time()
                     if di is not None:
                         dec_load[di] -= load
                     try:
                         results = ray.get(ref, timeout=60)
                     except Exception as e:  # worker died (restarted by Ray) or lost the KV payload
+                        note_crash(front_role, fi)
+                        if pd:
+                            note_crash("decode", di)
                         fail_items(items, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", "WorkerCrash")
                         continue
                     bad = [r for r in results if "error" in r]
@@ -366,16 +546,24 @@ class JobRunner:
                     if bad:
                         fail_items([it for it in items if it["request_id"] in {b["request_id"] for b in bad}],
                                    bad[0]["error"], "EngineError")
-            collect_done()
-            flush()
-            if bar is not None:
-                bar.n = self.already_done + self.already_failed + new_ok + new_failed
-                bar.set_postfix_str(self._rate(t_start, prompt_tokens + output_tokens), refresh=False)
-                bar.refresh()
-            elif time.time() - last_log > 10:
-                last_log = time.time()
-                log.info("progress: %d documents done, %d failed, %d tokens, %s", new_ok, new_failed,
-                         prompt_tokens + output_tokens, self._rate(t_start, prompt_tokens + output_tokens))
+                collect_done()
+                flush()
+                if bar is not None:
+                    bar.n = self.already_done + self.already_failed + new_ok + new_failed
+                    bar.set_postfix_str(self._rate(t_start, prompt_tokens + output_tokens), refresh=False)
+                    bar.refresh()
+                elif time.time() - last_log > 10:
+                    last_log = time.time()
+                    log.info("progress: %d documents done, %d failed, %d tokens, %s", new_ok, new_failed,
+                             prompt_tokens + output_tokens, self._rate(t_start, prompt_tokens + output_tokens))
+        except BaseException:
+            # commit every document that is complete before giving up; never a partial one
+            try:
+                collect_done()
+                flush(force=True)
+            except Exception as e2:  # the original error is the one to report
+                log.error("could not commit finished documents while failing: %s", e2)
+            raise
         collect_done()
         flush(force=True)
         if bar is not None:
@@ -434,7 +622,8 @@ class JobRunner:
             "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
             "plan": self.plan or {"pools": [{"role": r, "chip": p.chip, "replicas": p.replicas}
                                             for r, p in self.spec.cluster.pools().items()]},
-            "pools": pools, "router": router or {}, "retries": {"worker": self.retries, "io": retry_count()},
+            "pools": pools, "router": router or {},
+            "retries": {"worker": self.retries, "io": retry_count() - self.io_retries_start},
             "timeline": self.timeline, "prompt_token_hist": list(prompt_hist), "output_token_hist": list(output_hist),
         }
         if self.plan and self.plan.get("usd_per_hour"):

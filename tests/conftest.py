@@ -10,6 +10,8 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 
 
 @pytest.fixture(scope="session")
