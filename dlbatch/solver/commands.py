@@ -42,22 +42,28 @@ def load_chips(chips_files: list[str], model: ModelSpec) -> dict[str, ChipProfil
 
 def plan_command(chips_files: list[str], available: dict[str, int], model: ModelSpec, workload: Workload,
                  objective: str = "throughput", budget: float | None = None, deadline: float | None = None,
-                 json_out: str | None = None) -> Plan:
-    """Solve, print the plan table, optionally write the plan as JSON."""
+                 json_out: str | None = None, max_batch: int = 256, chunk_tokens: int = 8192,
+                 quiet: bool = False) -> Plan:
+    """Solve, print the plan table, optionally write the plan as JSON.
+
+    ``max_batch`` (sequences per worker) and ``chunk_tokens`` (prefill tokens per forward
+    pass) should be the engine settings the workers run with; they are stored in the plan
+    so that ``simulate_command`` uses the same."""
     chips = load_chips(chips_files, model)
     unknown = [k for k in available if k not in chips]
     if unknown:
         raise ValueError(f"available names unknown chip(s) {unknown}; chip files define {sorted(chips)}")
     plan = solve({k: chips[k] for k in available}, available, model, workload, objective,
-                 budget_per_hour=budget, deadline_hours=deadline)
-    print(format_plan(plan))
+                 budget_per_hour=budget, deadline_hours=deadline, max_batch=max_batch, chunk_tokens=chunk_tokens)
+    if not quiet:
+        print(format_plan(plan))
     if json_out:
         Path(json_out).write_text(plan.to_json())
     return plan
 
 
 def simulate_command(plan_path: str, chips_files: list[str], model: ModelSpec, workload: Workload,
-                     n_docs: int | None = None) -> dict[str, Any]:
+                     n_docs: int | None = None, quiet: bool = False) -> dict[str, Any]:
     """Simulate a plan written by ``plan_command``; print the report, return it as a dict."""
     p = Path(plan_path)
     if not p.is_file():
@@ -67,6 +73,8 @@ def simulate_command(plan_path: str, chips_files: list[str], model: ModelSpec, w
     except (json.JSONDecodeError, ValueError) as e:
         raise ValueError(f"{p}: not a plan JSON: {e}") from e
     chips = load_chips(chips_files, model)
-    res = simulate(plan, chips, model, workload, n_docs=n_docs)
-    print(format_simulation(res))
+    res = simulate(plan, chips, model, workload, n_docs=n_docs, max_batch=plan.max_batch,
+                   chunk_tokens=plan.chunk_tokens)
+    if not quiet:
+        print(format_simulation(res))
     return res.to_dict()

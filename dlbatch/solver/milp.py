@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field, fields, asdict
 from typing import Any, Iterable
 
 import numpy as np
@@ -80,6 +80,13 @@ class Pool:
     utilisation: float
     price_per_hour: float       # per worker
     decode_batch: int = 0       # sequences per decode/colocated worker
+    # What `dlbatch run --plan` places the pool's actors on: the Ray custom resource
+    # `chip:<chip_resource>` (dlbatch.session.chip_resource). Defaults to the chip name.
+    chip_resource: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.chip_resource:
+            self.chip_resource = self.chip
 
 
 @dataclass
@@ -106,6 +113,8 @@ class Plan:
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     kv_bytes_per_doc: float = 0.0
     solve_seconds: float = 0.0
+    max_batch: int = 256        # the per-worker sequence cap and prefill chunk the rates assumed
+    chunk_tokens: int = 8192
 
     @property
     def tokens_per_s(self) -> float:
@@ -122,13 +131,19 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["tokens_per_s"] = self.tokens_per_s
+        d["usd_per_hour"] = self.cost_per_hour  # what `dlbatch run --plan` reads for the cost report
         return _jsonable(d)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         d = dict(d)
         d.pop("tokens_per_s", None)
-        d["pools"] = [Pool(**p) for p in d.get("pools", [])]
+        d.pop("usd_per_hour", None)
+        known = {f.name for f in fields(Pool)}
+        try:
+            d["pools"] = [Pool(**{k: v for k, v in p.items() if k in known}) for p in d.get("pools", [])]
+        except (TypeError, AttributeError) as e:
+            raise ValueError(f"not a plan dictionary: bad pool entry: {e}") from e
         try:
             return cls(**d)
         except TypeError as e:
@@ -157,6 +172,7 @@ class _Problem:
     def __init__(self, chips: dict[str, ChipProfile], available: dict[str, int], model: ModelSpec,
                  workload: Workload, roles: Iterable[str], max_batch: int, chunk_tokens: int):
         self.chips, self.model, self.workload = chips, model, workload
+        self.max_batch, self.chunk_tokens = max_batch, chunk_tokens
         self.gap = 1e-4
         self.available = available
         self.rates: dict[str, RoleRates] = {
@@ -436,7 +452,8 @@ def _make_plan(prob: _Problem, ev: dict[str, Any], objective, budget, deadline, 
         job_cost=cost * wl.n_docs / T / 3600.0 if T > 0 else math.inf,
         mode=_mode(pools), bottleneck=bottleneck, binding=binding, why="",
         assumptions=_assumptions(prob, roles), model=model.name, workload=wl.summary(),
-        budget_per_hour=budget, deadline_hours=deadline, kv_bytes_per_doc=prob.kv_bytes_per_doc)
+        budget_per_hour=budget, deadline_hours=deadline, kv_bytes_per_doc=prob.kv_bytes_per_doc,
+        max_batch=prob.max_batch, chunk_tokens=prob.chunk_tokens)
     plan.why = _why(plan, prob, ev)
     return plan
 
