@@ -1,0 +1,133 @@
+"""Smoke runs of the benchmarks with tiny settings: every figure is in the JSON and the
+ratios are computed from the measured numbers. (Speed targets are checked by the
+benchmarks themselves, never as timed tests.)"""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from dlbatch.bench import run_bench
+
+
+def _bench(name: str, argv: list[str], tmp_path) -> dict:
+    out = tmp_path / f"{name}.json"
+    rc = run_bench(SimpleNamespace(name=name, rest=argv + ["--json", str(out)]))
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def _close(a, b, rel=1e-9):
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=rel)
+
+
+def _check_limits(lim: dict, dtypes):
+    for d in dtypes:
+        m = lim["matmul"][d]
+        assert m["flops"] > 0 and _close(m["flops"], 2.0 * m["n"] ** 3 / m["seconds"])
+    c = lim["copy"]
+    assert c["copy_GBps"] > 0 and _close(c["copy_GBps"], 2 * c["bytes"] / c["seconds"] / 1e9)
+
+
+def test_common_helpers():
+    from dlbatch.bench.common import fmt, median, ratio, table
+
+    assert median([3, 1, 2]) == 2 and median([1, 2, 3, 4]) == 2.5
+    assert ratio(6, 3) == 2 and ratio(1, 0) is None and ratio(None, 1) is None
+    t = table(["a", "b"], [["x", 1.5], ["yy", None]])
+    assert "x" in t and "1.5" in t and "-" in t
+    assert fmt(True) == "yes" and fmt(2.0e9) == "2e+09"
+
+
+def test_flop_and_byte_counts():
+    from dlbatch.bench.engine import decode_bytes, prefill_flops
+
+    cnt = {"linear_params": 100, "lm_head_params": 10, "layers": 2, "heads": 3, "head_dim": 4,
+           "weight_bytes": 1000, "kv_bytes_per_token": 8}
+    assert prefill_flops(cnt, 5) == 2 * 100 * 5 + 2 * 10 + 4 * 2 * 3 * 4 * 25 / 2
+    assert decode_bytes(cnt, 3, 10) == 1000 + 3 * 10 * 8
+
+
+def test_random_llama_helper_tiny_shape(tmp_path):
+    """The llama-1b-random helper, at a tiny shape: our engine and transformers both load it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dlbatch.bench.engine import RANDOM_MODELS, make_random_llama
+    from dlbatch.engine.llm import LLM
+    from dlbatch.engine.sampling_params import SamplingParams
+
+    shape = RANDOM_MODELS["llama-1b-random"]
+    assert (shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"],
+            shape["num_key_value_heads"], shape["intermediate_size"], shape["vocab_size"]) == \
+        (2048, 16, 32, 8, 8192, 128256) and shape["tie_word_embeddings"]
+    d = make_random_llama(str(tmp_path / "m"), dtype="float32", hidden_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=300,
+                          head_dim=16, max_position_embeddings=256)
+    llm = LLM(d, dtype="float32", max_model_len=128, chat=False)
+    ours = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                             pad_token_id=0)[0, 4:].tolist()
+    assert ours == theirs
+
+
+def test_engine_bench_smoke(tmp_path):
+    from tests.tiny_models import make_tiny_model
+
+    path = str(tmp_path / "tiny")
+    make_tiny_model("llama", path)
+    r = _bench("engine", ["--model", path, "--dtype", "float32", "--quick", "--repeats", "2",
+                          "--prefill-lens", "64,128", "--decode-batches", "1,2", "--decode-context", "64",
+                          "--decode-tokens", "4"], tmp_path)
+    assert r["model"]["ours_compute_dtype"] == "float32" and r["baseline"]["dtype"] == "float32"
+    _check_limits(r["limits"], ["float32"])
+    peak = r["limits"]["matmul"]["float32"]["flops"]
+    bw = r["limits"]["copy"]["copy_GBps"] * 1e9
+    assert [p["tokens"] for p in r["prefill"]] == [64, 128]
+    for p in r["prefill"]:
+        assert p["ours_tokens_per_s"] > 0 and p["theirs_tokens_per_s"] > 0
+        assert _close(p["ours_tokens_per_s"], p["tokens"] / p["ours_s"])
+        assert _close(p["ratio"], p["ours_tokens_per_s"] / p["theirs_tokens_per_s"])
+        assert _close(p["ours_frac_peak"], p["flops"] / p["ours_s"] / peak)
+    assert [d["batch"] for d in r["decode"]] == [1, 2]
+    for d in r["decode"]:
+        assert d["ours_tokens_per_s"] > 0 and d["theirs_tokens_per_s"] > 0 and d["ours_steps"] >= 1
+        assert _close(d["ours_tokens_per_s"], d["batch"] / d["ours_step_s"])
+        assert _close(d["ratio"], d["ours_tokens_per_s"] / d["theirs_tokens_per_s"])
+        assert _close(d["ours_frac_bw"], d["bytes_per_step"] / d["ours_step_s"] / bw)
+    assert {t["target"] for t in r["targets"]} and all("met" in t for t in r["targets"])
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_pipeline_bench_smoke(tmp_path, sample_model):
+    r = _bench("pipeline", ["--quick", "--set", "model.dtype=float32"], tmp_path)
+    o, b = r["ours"], r["baseline"]
+    assert o["docs"] == 1 and b["docs"] == 1 and o["rows"] == 3 and b["rows"] == 3
+    for side in (o, b):
+        assert side["wall_s"] > 0 and side["tokens_per_s"] > 0
+    assert _close(r["ratio"]["tokens_per_s"], o["tokens_per_s"] / b["tokens_per_s"])
+    assert _close(r["ratio"]["docs_per_s"], o["docs_per_s"] / b["docs_per_s"])
+    assert b["prompt_tokens"] == o["prompt_tokens"]  # the same rendered prompts on both sides
+    a = r["agreement_fp32"]
+    assert a["requests"] == 3 and a["all_identical"], a["pairs"]
+    _check_limits(r["limits"], ["float32"])
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_router_bench_smoke(tmp_path, sample_model):
+    r = _bench("router", ["--quick", "--set", "model.dtype=float32"], tmp_path)
+    s = r["summary"]
+    for pol in ("prefix_aware", "round_robin"):
+        x = s[pol]
+        assert x["docs_ok"] == 2 and x["prompt_tokens"] > 0
+        assert _close(x["compute_fraction"], x["prefill_tokens_computed"] / x["prompt_tokens"])
+    assert _close(r["tokens_per_s_ratio"], s["prefix_aware"]["tokens_per_s"] / s["round_robin"]["tokens_per_s"])
+    assert r["outputs"]["identical"] == r["outputs"]["compared"] == 6
+    assert s["prefix_aware"]["compute_fraction"] <= s["round_robin"]["compute_fraction"]
+    assert len(r["targets"]) == 4
