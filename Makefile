@@ -4,9 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 JOB ?= jobs/papers.yaml
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-all clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,9 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-all: setup
+	$(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -21,6 +21,8 @@ def start_ray(address: str | None, chips: dict[str, int], num_cpus: int | None =
         return False
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    if address is None and "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
+        address = "auto"  # we are the driver of a submitted Ray job: use its cluster, never a nested one
     if address is None:
         cores = os.cpu_count() or 2
         # Ray reserves CPUs per actor/task; declare more logical CPUs than cores so the
