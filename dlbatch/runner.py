@@ -241,6 +241,9 @@ class JobRunner:
         front = workers[front_role]
         decoders = workers.get("decode", [])
         router = Router(len(front), RouterConfig(policy=spec.router.policy, window=spec.router.window))
+        from dlbatch.metrics import JobMetrics
+
+        metrics = JobMetrics(spec.name)  # Prometheus-style metrics through Ray; no-op without Ray
         K = len(spec.tasks)
         smp = spec.sampling
         max_attempts = spec.retries.max_attempts
@@ -290,6 +293,7 @@ class JobRunner:
                                "error": msg[:1000]})
             log.warning("dead-lettered document %s (%s: %s)", doc.doc_id, etype, msg[:200])
             new_failed += 1
+            metrics.docs(failed=1)
             docs.pop(doc.doc_id, None)
             suspects.pop(doc.doc_id, None)
 
@@ -454,6 +458,9 @@ class JobRunner:
                     output_hist.append(res.get("output_tokens", 0))
                 commit_docs += 1
                 new_ok += 1
+                metrics.docs(ok=1)
+                metrics.tokens(prompt=sum(len(r["prompt_ids"]) for r in doc.rows),
+                               output=sum(doc.results[r["task"]].get("output_tokens", 0) for r in doc.rows))
 
         def flush(force=False):
             nonlocal commit_rows, commit_docs, error_rows, last_flush, rows_written
@@ -548,6 +555,7 @@ class JobRunner:
                                    bad[0]["error"], "EngineError")
                 collect_done()
                 flush()
+                metrics.inflight(len(inflight))
                 if bar is not None:
                     bar.n = self.already_done + self.already_failed + new_ok + new_failed
                     bar.set_postfix_str(self._rate(t_start, prompt_tokens + output_tokens), refresh=False)
@@ -573,6 +581,10 @@ class JobRunner:
             stats = {role: ray.get([w.stats.remote() for w in ws], timeout=60) for role, ws in workers.items()}
         except Exception as e:  # the report must not fail a finished job
             log.warning("could not collect worker stats: %s", e)
+        wall_now = max(1e-9, time.time() - t_start)
+        for role, sts in stats.items():
+            for i, st in enumerate(sts):
+                metrics.worker_busy(role, i, st.get("busy_s", 0.0) / wall_now)
         report = self._finish(store, t_start, stats, new_ok, new_failed, rows_written,
                               prompt_tokens=prompt_tokens, output_tokens=output_tokens, prompt_hist=prompt_hist,
                               output_hist=output_hist, router=router.stats.to_dict())
