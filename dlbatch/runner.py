@@ -195,6 +195,16 @@ class JobRunner:
             chips[p.chip] += p.replicas
         from dlbatch.engine.loader import model_dir
 
+        if "prefill" in pools and spec.cluster.kv_transport in ("rdt", "dlslime"):
+            from dlbatch.transfer.base import get_transport
+
+            try:  # fail before any work starts, naming what is missing
+                get_transport(spec.cluster.kv_transport, same_node=True, device=pools["prefill"].device,
+                              peer_device=pools["decode"].device)
+            except Exception as e:
+                raise JobFailed(f"cluster.kv_transport={spec.cluster.kv_transport!r} cannot run here: {e}") from None
+            raise JobFailed(f"cluster.kv_transport={spec.cluster.kv_transport!r} is not wired into the worker "
+                            "pools yet; use auto, object_store or shm")
         model_dir(spec.model.name)  # convert a GGUF once, before workers race for it
         started = start_ray(spec.cluster.address, dict(chips))
         workers: dict[str, list] = {}
@@ -209,7 +219,8 @@ class JobRunner:
                     threads = max(threads, min(2, os.cpu_count() or 1))
                 wspec = WorkerSpec(model=spec.model.name, dtype=spec.model.dtype, device=pool.device,
                                    max_model_len=spec.model.max_model_len, chat=spec.model.chat, num_threads=threads,
-                                   max_num_batched_tokens=max(512, min(spec.batching.max_batch_tokens, 4096)))
+                                   max_num_batched_tokens=max(512, min(spec.batching.max_batch_tokens, 4096)),
+                                   kv_transport=spec.cluster.kv_transport)
                 opts = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources={chip_resource(pool.chip): 1},
                             max_restarts=MAX_RESTARTS, max_task_retries=0)
                 workers[role] = [cls.options(**opts).remote(wspec, **self.worker_options) for _ in range(pool.replicas)]

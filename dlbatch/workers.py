@@ -148,6 +148,7 @@ class EngineLoop:
 
             kv = from_torch_layers(seq.kv_export, self.llm.fingerprint) if seq.kv_export is not None else None
             seq.kv_export = None
+            # auto: the object store (works across nodes); shm/rdt/dlslime only when asked for
             via = self.spec.kv_transport if self.spec.kv_transport != "auto" else "object_store"
             if kv is not None and via != "object_store":
                 kv = self.transport(via).send(kv)
