@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence as Seq
 
 from dlbatch.engine.config import EngineConfig, parse_memory
 from dlbatch.engine.engine import LLMEngine
@@ -85,6 +84,11 @@ class LLM:
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
+        return self._run(self._make_sequences(prompts, params), use_tqdm)
+
+    def _make_sequences(self, prompts, params) -> list:
+        """Prompts (one or many; strings or token-id lists) -> engine sequences, with
+        errors naming the prompt's index."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = self._params_list(len(prompts), params)
@@ -97,7 +101,7 @@ class LLM:
             if not ids:
                 raise ValueError(f"prompt {i}: empty prompt")
             seqs.append(self.engine.make_sequence(self._next_id(), ids, sp))
-        return self._run(seqs, use_tqdm)
+        return seqs
 
     def _run(self, seqs, use_tqdm: bool = False) -> list[RequestOutput]:
         for s in seqs:
@@ -131,18 +135,9 @@ class LLM:
         self-describing, checksummed) ready for any transport."""
         from dlbatch.engine.pd import PrefillResult
 
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        plist = self._params_list(len(prompts), params)
-        seqs = []
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            try:
-                ids = self.encode(p)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-            seq = self.engine.make_sequence(self._next_id(), ids, sp)
+        seqs = self._make_sequences(prompts, params)
+        for seq in seqs:
             seq.prefill_only = True
-            seqs.append(seq)
         self._run_seqs(seqs)
         results = []
         for s in seqs:
