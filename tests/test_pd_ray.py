@@ -74,7 +74,10 @@ def test_decode_worker_killed_mid_batch_then_retried(ray_local, tiny_path):
         items = [{**it, "token_ids": it["token_ids"][:40]} for it in items]
         pid = ray.get(dec.ping.remote())["pid"]
         ref = dec.decode.remote(pre.prefill.remote(items), items)
-        time.sleep(1.0)
+        deadline = time.time() + 120
+        while ray.get(dec.stats.remote(), timeout=60)["running"] == 0:  # wait until it holds the requests
+            assert time.time() < deadline, "decode worker never started the batch"
+            time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(Exception) as ei:
             ray.get(ref, timeout=120)

@@ -28,6 +28,9 @@ def make_layers(dtype, n_layers=3, tokens=9, heads=2, dim=8, seed=0):
 
 @pytest.fixture(scope="module")
 def ray_local():
+    if ray.is_initialized():  # the session's local Ray (tests/conftest.py) is already up: use it
+        yield ray
+        return
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     yield
     ray.shutdown()
