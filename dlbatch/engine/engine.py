@@ -19,7 +19,7 @@ from dlbatch.engine.sequence import Sequence
 
 log = logging.getLogger("dlbatch.engine")
 
-_DEFAULT_CPU_KV_BYTES = 1 << 30
+_DEFAULT_CPU_KV_BYTES = 3 << 30  # lazily zeroed pages: only what is used costs memory
 
 
 class LLMEngine:
