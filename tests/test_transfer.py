@@ -340,6 +340,46 @@ def test_copy_checksum_matches_checksum():
         assert P.copy_checksum(d, a, None) is None
 
 
+def test_native_copy_matches_numpy_fallback(monkeypatch):
+    from dlbatch.transfer import fastcopy
+
+    if not fastcopy.available():
+        pytest.skip(f"native copy unavailable: {fastcopy.unavailable_reason()}")
+    rng = np.random.default_rng(2)
+    for n in ((64 << 10) + 5, (1 << 20) + 13, 3 << 20):
+        a = rng.integers(0, 256, size=n + 3, dtype=np.uint8)[3:]  # unaligned source
+        a[:16] = 255
+        d_native, d_numpy = np.empty(n + 5, np.uint8)[5:], np.empty(n, np.uint8)  # unaligned destination
+        got = P.copy_checksum(d_native, a)
+        with monkeypatch.context() as m:
+            m.setattr(fastcopy, "available", lambda: False)
+            want = P.copy_checksum(d_numpy, a)
+            assert P.checksum(a) == want
+        assert got == want == P.checksum(a) and np.array_equal(d_native, a) and np.array_equal(d_numpy, a)
+        assert P.copy_checksum(d_native, a, None) is None
+    with pytest.raises(ValueError, match="C-contiguous"):
+        P.copy_checksum(np.empty((4, 2), np.uint8)[:, 0], np.zeros(4, np.uint8))
+
+
+def test_shm_receiver_keeps_mapping_of_pooled_segment():
+    p = P.from_torch_layers(make_layers(torch.float32, n_layers=2, tokens=64), FP)
+    tr = S.ShmTransport()
+    seen = []
+    for _ in range(3):
+        handle = tr.send(p)
+        rx = tr.open_receiver(handle)
+        q = rx.receive(timeout=5)
+        seen.append((handle.name, id(rx._shm) if rx._shm is not None else None))
+        assert [a.tobytes() for a in q.layers] == [a.tobytes() for a in p.layers]
+    assert len({name for name, _ in seen}) == 1  # the pool reused the segment
+    assert handle.name in S._MAPS.entries  # and the receiver kept it mapped
+    S.drain_pool()
+    p2 = P.from_torch_layers(make_layers(torch.float32, n_layers=1, tokens=8), FP)
+    tr.receive(tr.send(p2), timeout=5)  # the next open sweeps the unlinked segment's mapping
+    assert handle.name not in S._MAPS.entries
+    S.drop_receiver_mappings()
+
+
 def test_shm_bad_layer_and_abort():
     p = P.from_torch_layers(make_layers(torch.float32), FP)
     tr = S.ShmTransport()

@@ -106,6 +106,35 @@ def test_object_store_in_process_and_fingerprint(ray_local):
             pass
 
 
+def test_object_store_streamed_to_waiting_receiver(ray_local):
+    from dlbatch.transfer.errors import TransferError, TruncatedPayload
+    from dlbatch.transfer.object_store import ObjectStoreReceiver
+
+    p = P.from_torch_layers(make_layers(torch.bfloat16, n_layers=4), FP)
+    tr = get_transport("object_store", device="cpu")
+    got = []
+    sender = tr.open_sender(p.meta, on_layer=lambda i, ref, csum: got.append((i, ref, csum)))
+    for i, a in enumerate(p.layers):
+        sender.send_layer(i, a)
+    handle = sender.close()
+    assert [i for i, _, _ in got] == [0, 1, 2, 3] and all(c is not None for _, _, c in got)
+    dest = np.zeros((4, *p.meta.layer_shape), dtype=np.uint16)
+    rx = ObjectStoreReceiver.streaming(p.meta)
+    for i, ref, csum in got:
+        rx.receive_layer(i, ref, csum, timeout=10, out=dest.__getitem__)
+    assert rx.stream_complete and all(np.array_equal(dest[i], p.layers[i]) for i in range(4))
+    rx = ObjectStoreReceiver.streaming(p.meta)
+    with pytest.raises(CorruptPayload, match="layer 0"):
+        rx.receive_layer(0, got[0][1], got[0][2] ^ 1, timeout=10, out=dest.__getitem__)
+    rx = ObjectStoreReceiver.streaming(p.meta)
+    rx.receive_layer(0, got[0][1], got[0][2], timeout=10)
+    with pytest.raises(TransferError, match="checksum"):
+        rx.receive_layer(1, got[1][1], None, timeout=10)  # a stream cannot drop checksums midway
+    with pytest.raises(TruncatedPayload, match="expected layer"):
+        ObjectStoreReceiver.streaming(p.meta).receive_layer(2, got[2][1], got[2][2], timeout=10)
+    del handle
+
+
 def test_object_store_receive_timeout(ray_local):
     @ray.remote(num_cpus=0.1)
     def slow_layer():

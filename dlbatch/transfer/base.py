@@ -94,6 +94,25 @@ class KVReceiver(ABC):
     def release(self) -> None:
         """Free the transfer's resources (views from receive_layers become invalid)."""
 
+    def _take_layer(self, i: int, src: np.ndarray, csum: int | None, out) -> np.ndarray:
+        """Layer ``i`` as received: copied into ``out(i)`` when a destination is given (the
+        checksum computed in the same pass), verified against ``csum`` when the receiver
+        verifies and the sender sent one. Returns the array holding the layer."""
+        from dlbatch.transfer.errors import CorruptPayload
+        from dlbatch.transfer.payload import copy_checksum
+
+        check = getattr(self, "verify", True) and csum is not None
+        algo = self.meta.checksum_algo if check else None
+        if out is not None:
+            dst = out(i)
+            got = copy_checksum(dst, src, algo)
+            src = dst
+        elif check:
+            got = checksum(src, algo)
+        if check and got != csum:
+            raise CorruptPayload(i, csum, got, self.meta.checksum_algo)
+        return src
+
     def receive(self, timeout: float, *, copy: bool = True) -> KVPayload:
         """All layers as a payload (owned copies unless ``copy=False``), then release."""
         layers = []

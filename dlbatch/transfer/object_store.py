@@ -32,8 +32,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from dlbatch.transfer.base import Deadline, KVReceiver, KVSender, Transport
-from dlbatch.transfer.errors import CorruptPayload, SenderDied, TransferError, TruncatedPayload
-from dlbatch.transfer.payload import KVMeta, check_layer, checksum, copy_checksum
+from dlbatch.transfer.errors import SenderDied, TransferError, TruncatedPayload
+from dlbatch.transfer.payload import KVMeta, check_layer
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,11 @@ class ObjectStoreHandle:
 class ObjectStoreSender(KVSender):
     handle_ready_before_close = False
 
-    def __init__(self, meta: KVMeta, verify: bool = True, background: bool = True):
+    def __init__(self, meta: KVMeta, verify: bool = True, background: bool = True, on_layer=None):
+        """``on_layer(i, ref, checksum)``: called on the put thread as soon as layer ``i``
+        is in the store, in layer order -- e.g. to forward the ref to a receiver that is
+        already waiting (:meth:`ObjectStoreReceiver.streaming`), so its get and import
+        copy of layer i overlap the put of layer i+1."""
         import ray
 
         if not ray.is_initialized():
@@ -61,10 +65,14 @@ class ObjectStoreSender(KVSender):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-put") if background else None
         self._futures: dict[int, Future] = {}
         self._lock = threading.Lock()
+        self._on_layer = on_layer
 
-    def _put(self, array: np.ndarray) -> tuple[Any, int | None]:
-        csum = self._checksum(array)
-        return self._ray.put(array), csum
+    def _put(self, i: int, array: np.ndarray) -> tuple[Any, int | None]:
+        csum = self._checksum(array)  # first: the put then reads the layer from cache
+        ref = self._ray.put(array)  # a numpy array: pickled out-of-band, one copy into the store
+        if self._on_layer is not None:
+            self._on_layer(i, ref, csum)
+        return ref, csum
 
     def send_layer(self, i: int, array: np.ndarray) -> None:
         """Queue layer ``i``. Do not modify ``array`` until ``close`` returns."""
@@ -74,9 +82,9 @@ class ObjectStoreSender(KVSender):
                 raise ValueError(f"layer {i} was already sent")
             if self._pool is None:
                 fut: Future = Future()
-                fut.set_result(self._put(array))
+                fut.set_result(self._put(i, array))
             else:
-                fut = self._pool.submit(self._put, array)
+                fut = self._pool.submit(self._put, i, array)
             self._futures[i] = fut
 
     def partial_handle(self) -> ObjectStoreHandle:
@@ -121,10 +129,10 @@ class ObjectStoreSender(KVSender):
 
 
 class ObjectStoreReceiver(KVReceiver):
-    def __init__(self, handle: ObjectStoreHandle, verify: bool = True):
+    def __init__(self, handle: ObjectStoreHandle, verify: bool = True, *, _streaming: bool = False):
         if not isinstance(handle, ObjectStoreHandle):
             raise TypeError(f"ObjectStoreReceiver needs an ObjectStoreHandle, got {type(handle).__name__}")
-        if not handle.complete:
+        if not handle.complete and not _streaming:
             raise TruncatedPayload(
                 f"object-store handle lists {len(handle.refs)} of {handle.meta.num_layers} layer refs"
             )
@@ -135,6 +143,35 @@ class ObjectStoreReceiver(KVReceiver):
         self.meta = handle.meta
         self.verify = verify
         self._held: list = []
+        self._next = 0
+
+    @classmethod
+    def streaming(cls, meta: KVMeta, verify: bool = True) -> "ObjectStoreReceiver":
+        """A receiver fed layer by layer with :meth:`receive_layer` (refs forwarded by the
+        sender's ``on_layer``), instead of a complete handle."""
+        return cls(ObjectStoreHandle(meta.without_checksums()), verify, _streaming=True)
+
+    def _fetch(self, i: int, ref, deadline: Deadline) -> np.ndarray:
+        from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError, RayError
+
+        try:
+            return self._ray.get(ref, timeout=max(deadline.remaining(), 1e-3))
+        except GetTimeoutError:
+            raise deadline.error(f"layer {i} (object {ref.hex()}) not available; {i} layers received") from None
+        except OwnerDiedError as e:
+            raise SenderDied(
+                f"the sender that owned KV layer {i} of {self.meta.num_layers} (object {ref.hex()}) died "
+                f"before the receiver fetched it"
+            ) from e
+        except ObjectLostError as e:
+            raise SenderDied(f"KV layer {i} (object {ref.hex()}) was lost from the object store: {e}") from e
+        except RayError as e:
+            raise TransferError(f"fetching KV layer {i} (object {ref.hex()}) failed: {e}") from e
+
+    def _accept(self, i: int, arr, csum: int | None, out) -> np.ndarray:
+        arr = self._take_layer(i, check_layer(self.meta, i, arr), csum, out)
+        self._held.append(arr)
+        return arr
 
     def receive_layers(self, timeout: float, out=None) -> Iterator[tuple[int, np.ndarray]]:
         """Yield ``(i, layer)``: read-only zero-copy views of the store, verified first.
@@ -143,37 +180,36 @@ class ObjectStoreReceiver(KVReceiver):
         the layer is copied there with its checksum computed on the way, and the
         destination is yielded (saves the separate checksum read of the store).
         """
-        ray = self._ray
-        from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError, RayError
-
         deadline = Deadline(timeout, f"{self.meta.num_layers} KV layers from the Ray object store")
         for i, ref in enumerate(self.handle.refs):
-            try:
-                arr = ray.get(ref, timeout=max(deadline.remaining(), 1e-3))
-            except GetTimeoutError:
-                raise deadline.error(f"layer {i} (object {ref.hex()}) not available; {i} layers received") from None
-            except OwnerDiedError as e:
-                raise SenderDied(
-                    f"the sender that owned KV layer {i} of {self.meta.num_layers} (object {ref.hex()}) died "
-                    f"before the receiver fetched it"
-                ) from e
-            except ObjectLostError as e:
-                raise SenderDied(f"KV layer {i} (object {ref.hex()}) was lost from the object store: {e}") from e
-            except RayError as e:
-                raise TransferError(f"fetching KV layer {i} (object {ref.hex()}) failed: {e}") from e
-            arr = check_layer(self.meta, i, arr)
+            arr = self._fetch(i, ref, deadline)
             csum = self.handle.checksums[i] if i < len(self.handle.checksums) else None
-            check = self.verify and csum is not None
-            if out is not None:
-                dst = out(i)
-                got = copy_checksum(dst, arr, self.meta.checksum_algo if check else None)
-                arr = dst
-            elif check:
-                got = checksum(arr, self.meta.checksum_algo)
-            if check and got != csum:
-                raise CorruptPayload(i, csum, got, self.meta.checksum_algo)
-            self._held.append(arr)
-            yield i, arr
+            yield i, self._accept(i, arr, csum, out)
+
+    def receive_layer(self, i: int, ref, csum: int | None, timeout: float, out=None) -> np.ndarray:
+        """Streaming form: fetch, verify and (with ``out``) import layer ``i`` from ``ref``.
+
+        Layers must come in order 0, 1, ...; returns the layer (the destination with
+        ``out``). Checksums are all-or-none (the sender's ``verify``): a stream that
+        mixes layers with and without one is refused.
+        """
+        if i != self._next:
+            raise TruncatedPayload(f"object-store stream got layer {i}, expected layer {self._next}")
+        if i == 0:
+            self._stream_sums = csum is not None
+        elif (csum is not None) != self._stream_sums:
+            raise TransferError(
+                f"object-store stream layer {i} {'has' if csum is not None else 'lacks'} a checksum, layer 0 "
+                f"{'had' if self._stream_sums else 'had none'}: the sender must checksum all layers or none"
+            )
+        deadline = Deadline(timeout, f"KV layer {i} from the Ray object store")
+        arr = self._accept(i, self._fetch(i, ref, deadline), csum, out)
+        self._next = i + 1
+        return arr
+
+    @property
+    def stream_complete(self) -> bool:
+        return self._next == self.meta.num_layers
 
     def receive(self, timeout: float, *, copy: bool = False):
         """Whole payload; arrays are read-only zero-copy views of the store unless ``copy``."""
@@ -186,8 +222,10 @@ class ObjectStoreReceiver(KVReceiver):
 class ObjectStoreTransport(Transport):
     name = "object_store"
 
-    def open_sender(self, meta: KVMeta, *, verify: bool | None = None, background: bool = True) -> ObjectStoreSender:
-        return ObjectStoreSender(meta, True if verify is None else verify, background)
+    def open_sender(
+        self, meta: KVMeta, *, verify: bool | None = None, background: bool = True, on_layer=None
+    ) -> ObjectStoreSender:
+        return ObjectStoreSender(meta, True if verify is None else verify, background, on_layer)
 
     def open_receiver(self, handle: ObjectStoreHandle, *, verify: bool | None = None) -> ObjectStoreReceiver:
         return ObjectStoreReceiver(handle, True if verify is None else verify)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
+from dlbatch.transfer import fastcopy as _fastcopy
 from dlbatch.transfer.errors import (
     CorruptPayload,
     FingerprintMismatch,
@@ -81,6 +82,8 @@ def checksum(arr: np.ndarray, algo: str = "sum64") -> int:
     """
     b = _bytes_view(arr)
     if algo == "sum64":
+        if b.size >= _NATIVE_MIN and _fastcopy.available():
+            return _fastcopy.sum64(b)
         n8 = b.size // 8
         total = int(np.add.reduce(b[: n8 * 8].view("<u8"), dtype=np.uint64)) if n8 else 0
         tail = b[n8 * 8 :]
@@ -98,18 +101,27 @@ def checksum(arr: np.ndarray, algo: str = "sum64") -> int:
 
 
 _FUSED_CHUNK = 512 << 10  # fits in L2: the checksum reads the chunk just copied from cache
+_NATIVE_MIN = 64 << 10  # below this the ctypes call overhead is not worth it
 
 
 def copy_checksum(dst: np.ndarray, src: np.ndarray, algo: str | None = "sum64") -> int | None:
     """Copy ``src``'s bytes into ``dst`` (same byte size) and return ``checksum(dst, algo)``.
 
-    For ``sum64`` the copy goes in 512 KiB chunks and each chunk is summed while it is
-    still in cache, so the checksum costs little memory traffic on top of the copy
-    (measured here ~1.3x faster than copy-then-checksum). ``algo=None``: copy only.
+    ``sum64`` (and ``algo=None``, copy only) use the native fused loop of
+    :mod:`dlbatch.transfer.fastcopy` when it is available: one read of each word, added
+    to the checksum in registers, non-temporal stores, GIL released. Otherwise numpy:
+    the copy goes in 512 KiB chunks and each chunk is summed while still in cache.
+    ``crc32``: copy, then checksum.
     """
+    if not dst.flags.c_contiguous:
+        raise ValueError("copy_checksum: destination must be C-contiguous")
     s, d = _bytes_view(src), dst.reshape(-1).view(np.uint8)
     if d.size != s.size:
         raise ValueError(f"copy_checksum: destination has {d.size} bytes, source {s.size}")
+    if not d.flags.writeable:
+        raise ValueError("copy_checksum: destination is read-only")
+    if algo in ("sum64", None) and s.size >= _NATIVE_MIN and d.flags.c_contiguous and _fastcopy.available():
+        return _fastcopy.copy_sum64(d, s, algo is not None)
     if algo != "sum64":
         np.copyto(d, s)
         return None if algo is None else checksum(d, algo)

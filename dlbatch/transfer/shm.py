@@ -58,7 +58,6 @@ import numpy as np
 
 from dlbatch.transfer.base import Deadline, KVReceiver, KVSender, Transport
 from dlbatch.transfer.errors import (
-    CorruptPayload,
     FingerprintMismatch,
     SenderDied,
     TransferError,
@@ -72,7 +71,6 @@ from dlbatch.transfer.payload import (
     _align,
     buffer_layout,
     check_layer,
-    checksum,
     layer_state,
     layer_view,
     read_header,
@@ -136,6 +134,9 @@ POOL_MAX_SEGMENTS = int(os.environ.get("DLBATCH_SHM_POOL_SEGMENTS", "8"))
 POOL_MAX_BYTES = int(os.environ.get("DLBATCH_SHM_POOL_BYTES", str(3 << 30)))
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+MAP_CACHE_MAX_SEGMENTS = int(os.environ.get("DLBATCH_SHM_MAP_CACHE_SEGMENTS", "8"))
+MAP_CACHE_MAX_BYTES = int(os.environ.get("DLBATCH_SHM_MAP_CACHE_BYTES", str(3 << 30)))
 
 
 def size_class(nbytes: int) -> int:
@@ -329,6 +330,102 @@ class _flocked:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
+class _MapCache:
+    """Receiver side: mappings of segments kept across transfers (per process).
+
+    A pooled segment comes back under the same name for the next payload; mapping it
+    afresh would pay a page-table fault per 4 KiB page on the receiver's first read
+    (~65k per 256 MiB). The cache keeps the mapping while the segment lives and is
+    keyed by name and checked by inode, so a different file under a reused name is
+    never confused with it. Entries whose segment was unlinked (the sender trimmed its
+    pool or exited) are dropped at the next open, as are the least recently used ones
+    beyond ``MAP_CACHE_MAX_SEGMENTS`` / ``MAP_CACHE_MAX_BYTES``.
+    """
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.entries: dict[str, list] = {}  # name -> [shm, (st_dev, st_ino), size, users]
+
+    def _sweep(self) -> None:
+        for name, (shm, _, _, users) in list(self.entries.items()):
+            if users == 0 and _nlink(shm) == 0:
+                del self.entries[name]
+                _close_quietly(shm)
+        idle = [n for n, e in self.entries.items() if e[3] == 0]  # insertion order = LRU order
+        while idle and (
+            len(self.entries) > MAP_CACHE_MAX_SEGMENTS or sum(e[2] for e in self.entries.values()) > MAP_CACHE_MAX_BYTES
+        ):
+            shm = self.entries.pop(idle.pop(0))[0]
+            _close_quietly(shm)
+
+    def open(self, name: str) -> shared_memory.SharedMemory:
+        """Map ``name`` (FileNotFoundError if it does not exist); call ``done`` when finished."""
+        with self.lock:
+            if self.pid != os.getpid():
+                self.entries, self.pid = {}, os.getpid()
+            self._sweep()
+            entry = self.entries.get(name)
+            if entry is not None:
+                fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+                try:
+                    st = os.fstat(fd)
+                finally:
+                    os.close(fd)
+                if (st.st_dev, st.st_ino) == entry[1] and st.st_size == entry[2]:
+                    entry[3] += 1
+                    self.entries[name] = self.entries.pop(name)  # most recently used last
+                    return entry[0]
+                if entry[3] == 0:
+                    del self.entries[name]
+                    _close_quietly(entry[0])
+            shm = shared_memory.SharedMemory(name=name, create=False)
+            _untrack(shm)
+            try:
+                shm._mmap.madvise(_MADV_POPULATE_READ)  # noqa: SLF001 (one call instead of a fault per page)
+            except (OSError, AttributeError, ValueError):
+                pass
+            st = os.fstat(shm._fd)  # noqa: SLF001
+            if name not in self.entries:
+                self.entries[name] = [shm, (st.st_dev, st.st_ino), shm.size, 1]
+            return shm
+
+    def done(self, shm: shared_memory.SharedMemory, keep: bool) -> None:
+        """A receiver finished with ``shm``; ``keep=False``: it was unlinked, unmap it."""
+        with self.lock:
+            entry = self.entries.get(shm.name)
+            cached = entry is not None and entry[0] is shm
+            if cached:
+                entry[3] -= 1
+                if keep:
+                    return
+                if entry[3] > 0:
+                    return
+                del self.entries[shm.name]
+        _close_quietly(shm)
+
+    def clear(self) -> None:
+        with self.lock:
+            entries, self.entries = self.entries, {}
+        for shm, _, _, _ in entries.values():
+            _close_quietly(shm)
+
+
+def _nlink(shm: shared_memory.SharedMemory) -> int:
+    try:
+        return os.fstat(shm._fd).st_nlink  # noqa: SLF001
+    except (OSError, TypeError):
+        return 0
+
+
+_MAPS = _MapCache()
+
+
+def drop_receiver_mappings() -> None:
+    """Unmap every segment this process keeps mapped as a receiver (see ``_MapCache``)."""
+    _MAPS.clear()
+
+
 class ShmSender(KVSender):
     def __init__(self, meta: KVMeta, verify: bool = True, pooled: bool = True):
         self.meta = meta.without_checksums()
@@ -415,19 +512,18 @@ class ShmReceiver(KVReceiver):
         self.poll_max_s = poll_max_s
         self._ok = False
         try:
-            self._shm = shared_memory.SharedMemory(name=handle.name, create=False)
+            self._shm = _MAPS.open(handle.name)
         except FileNotFoundError as e:
             raise TransferError(
                 f"shared-memory segment {handle.name!r} does not exist: the sender aborted, "
                 f"or another receiver already took it"
             ) from e
-        _untrack(self._shm)
         try:
             if handle.ctrl_offset >= 0:
                 gen = _CTRL.unpack_from(self._shm.buf, handle.ctrl_offset)[0]
                 if gen != handle.generation:
                     shm, self._shm = self._shm, None
-                    _close_quietly(shm)  # the segment now carries another payload: not ours to unlink
+                    _MAPS.done(shm, keep=True)  # the segment now carries another payload: not ours to unlink
                     raise TransferError(
                         f"shared-memory segment {handle.name!r} was already received and reused by its "
                         f"sender (generation {gen:#x}, handle has {handle.generation:#x})"
@@ -477,16 +573,7 @@ class ShmReceiver(KVReceiver):
         try:
             for i in range(self._done, self.meta.num_layers):
                 csum = self._wait_ready(i, deadline)
-                view = layer_view(self._shm.buf, self._layout, self.meta, i)
-                check = self.verify and csum is not None
-                if out is not None:
-                    dst = out(i)
-                    got = copy_checksum(dst, view, self.meta.checksum_algo if check else None)
-                    view = dst
-                elif check:
-                    got = checksum(view, self.meta.checksum_algo)
-                if check and got != csum:
-                    raise CorruptPayload(i, csum, got, self.meta.checksum_algo)
+                view = self._take_layer(i, layer_view(self._shm.buf, self._layout, self.meta, i), csum, out)
                 self._done = i + 1
                 if self._done == self.meta.num_layers:
                     self._ok = True
@@ -508,10 +595,10 @@ class ShmReceiver(KVReceiver):
                 if returned:
                     _CTRL.pack_into(shm.buf, h.ctrl_offset, gen, 1, 0)  # done: the sender reuses it
             if returned:
-                _close_quietly(shm)
+                _MAPS.done(shm, keep=True)  # stays mapped: the sender sends its next payload here
                 return
         _unlink(shm)
-        _close_quietly(shm)
+        _MAPS.done(shm, keep=False)
 
 
 class ShmTransport(Transport):
