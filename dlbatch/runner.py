@@ -13,7 +13,9 @@ import collections
 import hashlib
 import logging
 import os
+import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +39,59 @@ def _actor_state(actor) -> str | None:
         return info.get("State") if isinstance(info, dict) else None
     except Exception:  # internal API moved: the stall timeout still bounds every wait
         return None
+
+
+class BatchPrefetcher:
+    """Pulls the Ray Data stream (parse, render, tokenize) on a background thread into a
+    bounded queue, so that documents are parsed while the workers load the model, and the
+    driving loop never blocks on a slow source while results wait to be collected."""
+
+    _END = object()
+
+    def __init__(self, ds, depth: int = 8):
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._ds = ds
+        self._thread = threading.Thread(target=self._run, name="dlbatch-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for batch in self._ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(batch, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            item = self._END
+        except BaseException as e:  # handed to the driving loop, which raises it
+            item = e
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def get(self, timeout: float = 0.0):
+        """The next batch; None when nothing is ready within `timeout`; raises StopIteration
+        at the end of the stream, or the stream's own error."""
+        try:
+            item = self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return None
+        if item is self._END:
+            self._q.put(item)  # stays at the end for any later call
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 @dataclass
@@ -208,6 +263,7 @@ class JobRunner:
         model_dir(spec.model.name)  # convert a GGUF once, before workers race for it
         started = start_ray(spec.cluster.address, dict(chips))
         workers: dict[str, list] = {}
+        prefetch = None
         self.workers = workers
         self.needed_resources = {chip_resource(p.chip): role for role, p in pools.items()}
         try:
@@ -224,13 +280,15 @@ class JobRunner:
                 opts = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources={chip_resource(pool.chip): 1},
                             max_restarts=MAX_RESTARTS, max_task_retries=0)
                 workers[role] = [cls.options(**opts).remote(wspec, **self.worker_options) for _ in range(pool.replicas)]
-            self._wait_workers_up(workers)
             from pipelines import get_pipeline
 
-            pipeline = get_pipeline(spec.pipeline)
-            ds = pipeline.build(spec, files, skip_docs)
-            return self._drive(store, ds, workers, t_start, sig)
+            # documents are parsed and tokenized while the workers load the model
+            prefetch = BatchPrefetcher(get_pipeline(spec.pipeline).build(spec, files, skip_docs))
+            self._wait_workers_up(workers)
+            return self._drive(store, prefetch, workers, t_start, sig)
         finally:
+            if prefetch is not None:
+                prefetch.close()
             for ws in workers.values():
                 for w in ws:
                     try:
@@ -240,7 +298,7 @@ class JobRunner:
             shutdown_ray(started)
 
     # ------------------------------------------------------------------------------------
-    def _drive(self, store, ds, workers, t_start, sig) -> dict:
+    def _drive(self, store, batches: BatchPrefetcher, workers, t_start, sig) -> dict:
         import ray
 
         from dlbatch.router import Request, Router, RouterConfig
@@ -280,7 +338,6 @@ class JobRunner:
         prompt_tokens = output_tokens = 0
         prompt_hist: list[int] = []
         output_hist: list[int] = []
-        it = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
         exhausted = False
         bar = self._progress_bar()
         last_log = time.time()
@@ -515,10 +572,12 @@ class JobRunner:
                 watchdog()
                 # pull from the dataset while there is room
                 while not exhausted and len(inflight) < inflight_cap and len(ready) < 2 * spec.router.window:
-                    try:
-                        batch = next(it)
+                    try:  # wait a little for input only when nothing else can progress
+                        batch = batches.get(timeout=0.2 if not inflight and not ready and not suspects else 0.0)
                     except StopIteration:
                         exhausted = True
+                        break
+                    if batch is None:
                         break
                     for r in batch.to_pylist():
                         if r.get("error"):
@@ -535,6 +594,7 @@ class JobRunner:
                     if not inflight and can_submit():
                         run_suspect()
                 elif len(inflight) < inflight_cap and can_submit():
+                    # a partial window is routed when the stream ended or the workers would idle
                     route_window(force=exhausted or not inflight)
                 if not inflight:
                     if exhausted and not ready and not suspects:

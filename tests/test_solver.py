@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -220,14 +219,13 @@ def test_budget_too_small_and_bad_objective():
 
 
 # -- scale, serialisation, commands -----------------------------------------------------
-def test_catalog_10_chip_solve_under_2s():
+def test_catalog_10_chip_solve():
+    # its speed (target < 2 s) is measured by `dlbatch bench solver` [6], not asserted here
     m = ModelSpec.llama3_8b()
     chips = catalog_profiles(m)
     assert len(chips) >= 10
     solve({"l4": chips["l4"]}, {"l4": 1}, m, Workload.paper(), "throughput", compare_modes=False)  # warm imports
-    t = time.perf_counter()
     plan = solve(chips, {n: 64 for n in chips}, m, Workload.paper(), "throughput", budget_per_hour=200.0)
-    assert time.perf_counter() - t < 2.0
     assert plan.docs_per_s > 0 and plan.cost_per_hour <= 200.0
 
 

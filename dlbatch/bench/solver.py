@@ -42,6 +42,10 @@ def add_arguments(parser) -> None:
                         help="USD/h of this machine (default 0.10: a 2-vCPU on-demand cloud slice, indicative)")
     parser.add_argument("--budget", type=float, default=80.0, help="USD/h for the catalog comparison")
     parser.add_argument("--skip-run", action="store_true", help="plan and simulate only (no real run)")
+    parser.add_argument("--skip-scale", action="store_true",
+                        help="skip [6]: MILP time on the 10-chip catalog and the 1M-document simulation")
+    parser.add_argument("--scale-docs", type=int, default=1_000_000,
+                        help="documents for the simulation at scale (over 1,000 chips)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                         help="job overrides for the real run and the plan")
 
@@ -162,11 +166,51 @@ def run(args) -> int:
     cmp = compare_heterogeneous({k: cat[k] for k in avail}, avail, m8, paper, budget_per_hour=args.budget)
     print(format_comparison(cmp))
     figures["catalog_comparison"] = cmp.to_dict()
+    if not args.skip_scale:
+        print()
+        figures["scale"] = _scale(m8, cat, args.scale_docs)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(figures, fh, indent=2, default=str)
         print(f"figures written to {args.json}")
     return 0
+
+
+def _scale(model, cat: dict, n_docs: int) -> dict:
+    """[6] the solver and the simulator at scale: MILP wall time over the whole catalog (targets
+    under 2 s for 10 chip types), and the simulation of ``n_docs`` documents over 1,000 chips
+    (target under 60 s for 1M)."""
+    from dlbatch.bench.common import median
+    from dlbatch.solver import Workload, simulate, solve
+
+    print(f"[6] scale: MILP over the catalog ({len(cat)} chip types, 64 of each, $200/h), "
+          f"simulation of {n_docs:,} documents over 1,000 chips")
+    wl = Workload.paper()
+    solve({"l4": cat["l4"]}, {"l4": 1}, model, wl, "throughput", compare_modes=False)  # imports, first-call costs
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        plan = solve(cat, {n: 64 for n in cat}, model, wl, "throughput", budget_per_hour=200.0)
+        times.append(time.perf_counter() - t)
+    milp_s = median(times)
+    print(f"  MILP, {len(cat)} chip types: median {milp_s:.2f} s of {len(times)} "
+          f"({', '.join(f'{x:.2f}' for x in times)}) -> {'meets' if milp_s < 2.0 else 'MISSES'} the 2 s target; "
+          f"plan {plan.docs_per_s:.1f} docs/s at ${plan.cost_per_hour:.2f}/h")
+    big = Workload.paper(n_docs)
+    plan = solve({k: cat[k] for k in ("h100_sxm", "l40s")}, {"h100_sxm": 500, "l40s": 500}, model, big,
+                 "throughput", roles=("prefill", "decode"))
+    chips = sum(p.replicas for p in plan.pools)
+    t = time.perf_counter()
+    res = simulate(plan, cat, model, big, seed=0)
+    sim_s = time.perf_counter() - t
+    target = 60.0 * n_docs / 1_000_000
+    print(f"  simulation: {res.n_docs:,} documents over {chips} chips in {sim_s:.1f} s -> "
+          f"{'meets' if sim_s < target else 'MISSES'} the {target:.0f} s target; steady "
+          f"{res.steady_docs_per_s:.1f} docs/s vs plan {plan.docs_per_s:.1f} "
+          f"({res.steady_docs_per_s / plan.docs_per_s:.3f})")
+    return {"milp_s": milp_s, "milp_runs_s": times, "milp_chip_types": len(cat), "sim_docs": res.n_docs,
+            "sim_chips": chips, "sim_s": sim_s, "sim_steady_docs_per_s": res.steady_docs_per_s,
+            "plan_docs_per_s": plan.docs_per_s}
 
 
 def _real_run(spec, plan: dict) -> dict:
