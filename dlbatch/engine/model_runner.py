@@ -20,6 +20,7 @@ class AttnMeta:
     decode_mask: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
     decode_runs: list | None = None  # per sequence: [(first_slot, n_tokens), ...] contiguous in the cache
+    native_runs: object | None = None  # decode_runs as flat tensors for the native CPU kernel
     sliding_window: int | None = None
 
 
@@ -32,6 +33,12 @@ class ModelRunner:
         self.block_size = econf.block_size
         # the reference decode attention needs a padded gather index; device ops may not
         self.need_gather = model.ops.chosen.get("paged_decode_attention") == "reference"
+        # the native CPU kernel (dlbatch/engine/ops/_paged_attn.c) takes float32 caches
+        self.use_native = False
+        if model.ops.chosen.get("paged_decode_attention") == "cpu" and model.dtype == torch.float32:
+            from dlbatch.engine.ops import native
+
+            self.use_native = native.lib() is not None
         self.kv_cache = torch.zeros(
             (2, mconf.num_layers, num_blocks, econf.block_size, mconf.num_kv_heads, mconf.head_dim),
             dtype=model.dtype, device=model.device)
@@ -115,9 +122,14 @@ class ModelRunner:
                         runs.append((start, n))
                 runs_all.append(runs)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        native_runs = None
+        if decodes and self.use_native:
+            from dlbatch.engine.ops.native import Runs
+
+            native_runs = Runs(runs_all)
         meta = AttnMeta(slots=t(slots), num_prefill_tokens=num_prefill, prefill=prefill_meta,
                         decode_gather=dg, decode_mask=dm, decode_lens=dl, sliding_window=self.mconf.sliding_window,
-                        decode_runs=runs_all if decodes else None)
+                        decode_runs=runs_all if decodes else None, native_runs=native_runs)
         return t(ids), t(pos), meta, t(logits_rows), logits_seqs
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:

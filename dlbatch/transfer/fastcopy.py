@@ -1,10 +1,9 @@
 """Optional native fused copy + ``sum64`` for KV transfers (``_fastcopy.c`` via ctypes).
 
-On first use the C file next to this module is compiled with the system C compiler
-(``$CC`` or ``cc``) into a cache directory (``$DLBATCH_CACHE_DIR``, else
-``~/.cache/dlbatch``, else the temp dir), named by a hash of the source, and loaded with
-ctypes. ctypes releases the GIL for the call, so a copy on a background thread runs
-beside Python compute. Without a compiler (or with ``DLBATCH_FASTCOPY=0``) nothing is
+On first use the C file next to this module is compiled and loaded by
+:mod:`dlbatch.native` (system C compiler, cached). ctypes releases the GIL for the call,
+so a copy on a background thread runs beside Python compute. Without a compiler (or with
+``DLBATCH_FASTCOPY=0`` / ``DLBATCH_NATIVE=0``) nothing is
 compiled and :func:`available` is False; callers fall back to numpy (slower: see
 docs/transfer.md). The result is the same bytes and the same checksum either way.
 """
@@ -12,13 +11,9 @@ docs/transfer.md). The result is the same bytes and the same checksum either way
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -33,48 +28,15 @@ _TRIED = False
 _REASON = ""
 
 
-def _cache_dirs() -> list[Path]:
-    dirs = []
-    if os.environ.get("DLBATCH_CACHE_DIR"):
-        dirs.append(Path(os.environ["DLBATCH_CACHE_DIR"]))
-    dirs.append(Path.home() / ".cache" / "dlbatch")
-    dirs.append(Path(tempfile.gettempdir()) / f"dlbatch-{os.getuid() if hasattr(os, 'getuid') else 'u'}")
-    return dirs
-
-
 def _build() -> ctypes.CDLL:
-    src = _SRC.read_bytes()
-    tag = hashlib.sha256(src + platform.machine().encode() + sys.version.encode()).hexdigest()[:16]
-    errors = []
-    for d in _cache_dirs():
-        so = d / f"fastcopy-{tag}.so"
-        if not so.exists():
-            try:
-                d.mkdir(parents=True, exist_ok=True)
-                tmp = d / f".fastcopy-{tag}-{os.getpid()}-{threading.get_ident()}.so"
-                cc = os.environ.get("CC", "cc")
-                proc = subprocess.run(
-                    [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SRC)],
-                    capture_output=True, text=True, timeout=120,
-                )
-                if proc.returncode != 0:
-                    errors.append(f"{cc} failed: {proc.stderr.strip()[:300]}")
-                    continue
-                os.replace(tmp, so)  # atomic: concurrent builders each write their own tmp
-            except (OSError, subprocess.SubprocessError) as e:
-                errors.append(f"{d}: {e}")
-                continue
-        try:
-            lib = ctypes.CDLL(str(so))
-        except OSError as e:
-            errors.append(f"loading {so}: {e}")
-            continue
-        lib.dlkv_copy_sum64.restype = ctypes.c_uint64
-        lib.dlkv_copy_sum64.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        lib.dlkv_sum64.restype = ctypes.c_uint64
-        lib.dlkv_sum64.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        return lib
-    raise OSError("; ".join(errors) or "no cache directory usable")
+    from dlbatch.native import load
+
+    lib = load(_SRC, ("-O2",), env_switch="DLBATCH_FASTCOPY")
+    lib.dlkv_copy_sum64.restype = ctypes.c_uint64
+    lib.dlkv_copy_sum64.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.dlkv_sum64.restype = ctypes.c_uint64
+    lib.dlkv_sum64.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
 
 
 def lib() -> ctypes.CDLL | None:

@@ -6,6 +6,11 @@ Here each sequence attends straight to its cache memory: its block table is spli
 runs of consecutive blocks (usually one or two: a shared prefix and its own tail), each
 run is a zero-copy view of the cache, scores of all runs are concatenated, one softmax,
 then the weighted sum run by run. No copy of the KV, no padding, exact same math.
+
+When the C kernel of dlbatch/engine/ops/native.py is available (float32 caches; built
+on first use), the whole batch goes through it in one call per layer: each token's K
+and V rows (all heads) are read once, in order, with no per-sequence op dispatch —
+about 3x faster at batch 12-32 here. The torch loop below is the fallback.
 """
 from __future__ import annotations
 
@@ -16,6 +21,13 @@ from dlbatch.engine.ops.registry import register_op
 
 @register_op("paged_decode_attention", "cpu")
 def paged_decode_attention(q, k_cache, v_cache, meta) -> torch.Tensor:
+    native_runs = getattr(meta, "native_runs", None)
+    if native_runs is not None:
+        from dlbatch.engine.ops.native import paged_decode_f32
+
+        out = paged_decode_f32(q, k_cache, v_cache, native_runs)
+        if out is not None:
+            return out
     runs_all = getattr(meta, "decode_runs", None)
     if runs_all is None:
         from dlbatch.engine.ops.reference import paged_decode_attention as ref
