@@ -321,6 +321,7 @@ class JobRunner:
 
         docs: dict[str, DocState] = {}
         ready: collections.deque = collections.deque()  # request rows ready to route
+        routed: collections.deque = collections.deque()  # (rows, prefill worker) batches not yet submitted
         # documents whose batch failed: each is retried alone, with nothing else in flight
         # (quarantine), so a poison document cannot take innocent ones down with it again
         suspects: collections.OrderedDict = collections.OrderedDict()  # doc_id -> rows to redo
@@ -397,8 +398,9 @@ class JobRunner:
                 inflight[ref] = (items, front_idx, None, 0, quarantine)
             self.inflight = len(inflight)
 
-        def route_window(force: bool):
-            if not ready or (len(ready) < spec.router.window and not force):
+        def route_window():
+            """Route up to `router.window` ready rows (whole documents) into `routed`."""
+            if not ready:
                 return
             window_rows = []
             while ready and len(window_rows) < spec.router.window:
@@ -415,17 +417,32 @@ class JobRunner:
             routing = router.route(reqs) if reqs else []
             for kept, dups in getattr(routing, "fanout", {}).items():
                 fanout.setdefault(kept, []).extend(dups)
+            per_worker = []
             for w, lst in enumerate(routing):
-                batch, tokens = [], 0
+                batches, batch, tokens = [], [], 0
                 for req in lst:
                     r = by_id[req.request_id]
                     if batch and tokens + len(r["prompt_ids"]) > max_batch_tokens:
-                        submit(items_for(batch), w)
+                        batches.append((batch, w))
                         batch, tokens = [], 0
                     batch.append(r)
                     tokens += len(r["prompt_ids"])
                 if batch:
-                    submit(items_for(batch), w)
+                    batches.append((batch, w))
+                per_worker.append(batches)
+            # interleave the workers' batches so that every worker gets work as slots free up
+            for i in range(max((len(b) for b in per_worker), default=0)):
+                routed.extend(b[i] for b in per_worker if i < len(b))
+
+        def submit_routed():
+            """Hand routed batches to the workers while fewer than max_inflight_batches per
+            worker are in flight (the rest wait here, not in the workers' queues: documents
+            then finish and commit in a steady stream, and a crash loses little)."""
+            while routed and len(inflight) < inflight_cap:
+                rows, w = routed.popleft()
+                rows = [r for r in rows if r["doc_id"] in docs and not docs[r["doc_id"]].failed]
+                if rows:
+                    submit(items_for(rows), w)
 
         def run_suspect():
             """One suspect document alone, with nothing else in flight."""
@@ -594,10 +611,13 @@ class JobRunner:
                     if not inflight and can_submit():
                         run_suspect()
                 elif len(inflight) < inflight_cap and can_submit():
-                    # a partial window is routed when the stream ended or the workers would idle
-                    route_window(force=exhausted or not inflight)
+                    submit_routed()
+                    if not routed and len(inflight) < inflight_cap:
+                        # a partial window is routed when the stream ended or a worker has room
+                        route_window()
+                        submit_routed()
                 if not inflight:
-                    if exhausted and not ready and not suspects:
+                    if exhausted and not ready and not suspects and not routed:
                         break
                     if unhealthy:
                         time.sleep(0.1)  # waiting for a worker to come back

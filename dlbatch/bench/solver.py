@@ -42,6 +42,9 @@ def add_arguments(parser) -> None:
                         help="USD/h of this machine (default 0.10: a 2-vCPU on-demand cloud slice, indicative)")
     parser.add_argument("--budget", type=float, default=80.0, help="USD/h for the catalog comparison")
     parser.add_argument("--skip-run", action="store_true", help="plan and simulate only (no real run)")
+    parser.add_argument("--docs", type=int, default=12,
+                        help="documents for the plan, simulation and run: the sample papers as distinct copies "
+                             "(enough for a steady state; 0 = the job's own input)")
     parser.add_argument("--skip-scale", action="store_true",
                         help="skip [6]: MILP time on the 10-chip catalog and the 1M-document simulation")
     parser.add_argument("--scale-docs", type=int, default=1_000_000,
@@ -69,7 +72,16 @@ def run(args) -> int:
     job = args.job or os.path.join(root, "jobs", "papers.yaml")
     figures: dict = {"job": job}
     tmp = tempfile.mkdtemp(prefix="dlbatch-bench-solver-")
-    overrides = list(args.overrides) + [f"output.path={os.path.join(tmp, 'out')}"]
+    base_overrides = list(args.overrides)
+    if args.docs:
+        from dlbatch.bench.common import job_overrides_for_docs, sample_documents, write_jsonl
+
+        jsonl = write_jsonl(os.path.join(tmp, "docs.jsonl"), sample_documents(args.docs))
+        # the job's own output path stays for the plan: a previous run's _report.json there (e.g. of
+        # `make run` on the same papers) gives the observed output lengths
+        base_overrides = [o for o in job_overrides_for_docs(jsonl, tmp) if not o.startswith("output.path=")] \
+            + base_overrides
+    overrides = base_overrides + [f"output.path={os.path.join(tmp, 'out')}"]
     spec = load_job(job, overrides)
     n_cores = os.cpu_count() or 1
 
@@ -96,17 +108,23 @@ def run(args) -> int:
     # 2. plan ------------------------------------------------------------------------------
     # the job as written (its own output path): a previous run's _report.json there gives the
     # observed output lengths; the real run below writes to a temporary directory
-    sample = job_workload(load_job(job, list(args.overrides)), sample=64)
+    sample = job_workload(load_job(job, base_overrides), sample=64)
     wl, model = sample.workload, sample.model
     K = wl.tasks_per_doc
-    max_batch = min(64, K * wl.n_docs)  # a job of n documents never runs more than K*n sequences at once
+    # what the runner keeps in flight: max_inflight_batches token-budget batches per worker,
+    # each ~max_batch_tokens // prompt tokens requests; never more than K x documents
+    prompt_mean = max(1.0, wl.mean_doc + wl.mean_suffix)
+    per_batch = max(1, int(spec.batching.max_batch_tokens // prompt_mean))
+    max_batch = max(1, min(64, spec.batching.max_inflight_batches * per_batch, K * wl.n_docs))
     chunk = max(512, min(spec.batching.max_batch_tokens, 4096))
     chips = {args.name: prof}
     print()
     print("[2] plan")
     print(sample.describe())
     print(f"availability: {args.name}=1 (this machine as one worker with {n_cores} threads); per worker "
-          f"{max_batch} sequences (min(64 = max_num_seqs, K x documents)), prefill chunks of {chunk} tokens")
+          f"{max_batch} sequences (min(64 = max_num_seqs, max_inflight_batches {spec.batching.max_inflight_batches}"
+          f" x {per_batch} requests per {spec.batching.max_batch_tokens}-token batch, K x documents)), prefill "
+          f"chunks of {chunk} tokens")
     plan = solve(chips, {args.name: 1}, model, wl, "throughput", max_batch=max_batch, chunk_tokens=chunk)
     print(format_plan(plan))
     plan_path = os.path.join(tmp, "plan.json")
