@@ -247,7 +247,7 @@ class BatchingSpec(BaseModel):
     model_config = _STRICT
 
     max_batch_tokens: int = Field(8192, ge=1)
-    max_inflight_batches: int = Field(8, ge=1)
+    max_inflight_batches: int = Field(16, ge=1)
 
 
 class RetriesSpec(BaseModel):

@@ -95,7 +95,7 @@ def test_defaults_match_the_documented_job(tmp_path, monkeypatch):
     assert spec.sampling.model_dump() == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
     assert spec.long_inputs == "truncate"
     assert (spec.router.policy, spec.router.window) == ("prefix_aware", 256)
-    assert (spec.batching.max_batch_tokens, spec.batching.max_inflight_batches) == (8192, 4)
+    assert (spec.batching.max_batch_tokens, spec.batching.max_inflight_batches) == (8192, 16)
     assert spec.retries.max_attempts == 3
     c = spec.cluster
     assert c.address is None and c.plan is None and c.colocated is None and c.kv_transport == "auto"
