@@ -169,7 +169,16 @@ class ModelRunner:
         idx = torch.tensor(self._slots(seq.block_table, 0, num_tokens), dtype=torch.long, device=self.device)
         hk, d = self.mconf.num_kv_heads, self.mconf.head_dim
         flat = self.kv_cache.view(2, self.mconf.num_layers, -1, hk, d)
-        return [flat[:, li].index_select(1, idx) for li in range(self.mconf.num_layers)]
+        out = []
+        for li in range(self.mconf.num_layers):
+            # K and V of a layer are each contiguous (slots, Hkv, D); gathering from the
+            # strided (2, slots, Hkv, D) view instead made torch copy the whole layer of the
+            # cache first (~2 s per exported sequence with a 3 GiB cache)
+            layer = torch.empty((2, num_tokens, hk, d), dtype=self.kv_cache.dtype, device=self.device)
+            torch.index_select(flat[0, li], 0, idx, out=layer[0])
+            torch.index_select(flat[1, li], 0, idx, out=layer[1])
+            out.append(layer)
+        return out
 
     def import_kv_layer(self, seq, layer: int, kv: torch.Tensor, start: int = 0) -> None:
         """Copy one layer's (2, n, Hkv, D) KV for token positions [start, n) into the
