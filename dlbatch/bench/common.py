@@ -144,6 +144,14 @@ def sample_documents(n: int, max_chars: int | None = None, papers_dir: str = SAM
     return docs
 
 
+def finish_bench(result: dict, render, json_path: str | None) -> int:
+    """A benchmark's ending: its rendered table, then every figure to `json_path`."""
+    print()
+    print(render(result))
+    write_json(json_path, result)
+    return 0
+
+
 def write_jsonl(path: str, rows: list[dict]) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -33,8 +33,8 @@ import shutil
 import tempfile
 import time
 
-from dlbatch.bench.common import (load_hf_model, machine_info, median, packed_modules, ratio, sync, table, time_repeats,
-                                  write_json)
+from dlbatch.bench.common import (finish_bench, load_hf_model, machine_info, median, packed_modules, ratio, sync,
+                                  table, time_repeats)
 
 log = logging.getLogger("dlbatch.bench")
 
@@ -421,10 +421,7 @@ def run(args) -> int:
         for row in decode:
             row["ours_frac_bw"] = row["ours_bytes_per_s"] / bw
         result["targets"] = targets(prefill, decode, lim, args.dtype, cuda)
-        print()
-        print(render(result))
-        write_json(args.json, result)
-        return 0
+        return finish_bench(result, render, args.json)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -24,8 +24,8 @@ import shutil
 import tempfile
 import time
 
-from dlbatch.bench.common import (job_overrides_for_docs, machine_info, ratio, run_job, sample_documents,
-                                  start_bench_ray, table, write_json, write_jsonl)
+from dlbatch.bench.common import (finish_bench, job_overrides_for_docs, machine_info, ratio, run_job, sample_documents,
+                                  start_bench_ray, table, write_jsonl)
 
 log = logging.getLogger("dlbatch.bench")
 
@@ -271,10 +271,7 @@ def run(args) -> int:
              "met": None if r is None else r >= 3.0},
             {"target": "same greedy tokens in fp32 on a small sample", "value": agree["identical"],
              "goal": agree["requests"], "met": agree["all_identical"]}]
-        print()
-        print(render(result))
-        write_json(args.json, result)
-        return 0
+        return finish_bench(result, render, args.json)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

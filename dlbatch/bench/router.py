@@ -20,8 +20,8 @@ import os
 import shutil
 import tempfile
 
-from dlbatch.bench.common import (job_overrides_for_docs, machine_info, median, ratio, run_job, sample_documents,
-                                  start_bench_ray, table, write_json, write_jsonl)
+from dlbatch.bench.common import (finish_bench, job_overrides_for_docs, machine_info, median, ratio, run_job, sample_documents,
+                                  start_bench_ray, table, write_jsonl)
 
 POLICIES = ("prefix_aware", "round_robin")
 
@@ -146,10 +146,7 @@ def run(args) -> int:
             {"target": f"token-load imbalance <= 1.2 with {args.prefill_workers} prefill workers",
              "value": pa.get("token_imbalance"), "goal": 1.2,
              "met": None if pa.get("token_imbalance") is None else pa["token_imbalance"] <= 1.2}]
-        print()
-        print(render(result))
-        write_json(args.json, result)
-        return 0
+        return finish_bench(result, render, args.json)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

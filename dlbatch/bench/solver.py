@@ -24,11 +24,12 @@ short-output paper mix (Llama-3-8B, ``Workload.paper``), with its assumptions.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
 import time
+
+from dlbatch.bench.common import write_json
 
 
 def add_arguments(parser) -> None:
@@ -187,10 +188,7 @@ def run(args) -> int:
     if not args.skip_scale:
         print()
         figures["scale"] = _scale(m8, cat, args.scale_docs)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(figures, fh, indent=2, default=str)
-        print(f"figures written to {args.json}")
+    write_json(args.json, figures)
     return 0
 
 
