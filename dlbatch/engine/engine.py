@@ -59,7 +59,7 @@ class LLMEngine:
             free, _ = torch.cuda.mem_get_info(device)
             n = int(free * 0.85) // per_block
         else:
-            want = c.max_num_seqs * c.max_model_len // c.block_size
+            want = c.max_num_seqs * -(-c.max_model_len // c.block_size)  # every sequence at full length
             n = min(want, _DEFAULT_CPU_KV_BYTES // per_block)
         min_blocks = -(-c.max_model_len // c.block_size)
         if n < min_blocks:
@@ -144,6 +144,9 @@ class LLMEngine:
         seq.num_computed = n
         self.block_manager.commit_full_blocks(seq)
         seq.kv_import = None
+        if seq.kv_imported is not None:  # the source (views of a transport's buffers) can go now
+            done, seq.kv_imported = seq.kv_imported, None
+            done()
         self.stats["imported_tokens"] = self.stats.get("imported_tokens", 0) + (n - start)
 
     def has_unfinished(self) -> bool:
@@ -174,7 +177,10 @@ class LLMEngine:
         for seq in finished:
             seq.finish_time = now
             if seq.prefill_only:
-                seq.kv_export = self.runner.export_kv(seq, len(seq.prompt_ids))
+                if seq.kv_sink is None:
+                    seq.kv_export = self.runner.export_kv(seq, len(seq.prompt_ids))
+                elif not seq.kv_streamed:  # e.g. admitted with the whole prompt in the prefix cache
+                    self.runner.stream_kv(seq, len(seq.prompt_ids))
                 if seq.generator is not None:
                     seq.generator_state = seq.generator.get_state()
         self.scheduler.free_finished(finished)

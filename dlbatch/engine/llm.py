@@ -128,21 +128,29 @@ class LLM:
 
     # ---- prefill / decode disaggregation ----------------------------------------------------
     def prefill(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None,
-                kv_format: str = "torch") -> list:
+                kv_format: str = "torch", kv_sink_factory=None) -> list:
         """Prefill only: run each prompt, sample its first token, and return a
         `PrefillResult` per prompt carrying the KV (per layer, token-major). kv_format
         "torch" keeps tensors; "payload" wraps them in a transfer payload (numpy,
-        self-describing, checksummed) ready for any transport."""
+        self-describing, checksummed) ready for any transport.
+
+        ``kv_sink_factory(index, num_prompt_tokens) -> KVSink`` streams each prompt's KV
+        layer by layer while its prefill runs (see engine/pd.py); those results carry
+        ``kv=None, kv_streamed=True``."""
         from dlbatch.engine.pd import PrefillResult
 
+        if kv_format not in ("torch", "payload"):
+            raise ValueError(f"kv_format must be 'torch' or 'payload', got {kv_format!r}")
         seqs = self._make_sequences(prompts, params)
-        for seq in seqs:
+        for k, seq in enumerate(seqs):
             seq.prefill_only = True
+            if kv_sink_factory is not None:
+                seq.kv_sink = kv_sink_factory(k, len(seq.prompt_ids))
         self._run_seqs(seqs)
         results = []
         for s in seqs:
             kv = s.kv_export
-            if kv_format == "payload":
+            if kv is not None and kv_format == "payload":
                 from dlbatch.transfer.payload import from_torch_layers
 
                 kv = from_torch_layers(kv, self.fingerprint)
@@ -150,8 +158,9 @@ class LLM:
                 request_id=s.seq_id, prompt_ids=list(s.prompt_ids), first_token=s.output_ids[0], params=s.params,
                 fingerprint=self.fingerprint, kv=kv, dtype=self.engine.compute_dtype, finish_reason=s.pd_finish,
                 truncated=s.truncated, generator_state=s.generator_state,
-                metrics={"ttft_s": (s.first_token_time - s.arrival) if s.first_token_time else None}))
-            s.kv_export = None
+                metrics={"ttft_s": (s.first_token_time - s.arrival) if s.first_token_time else None},
+                kv_streamed=s.kv_streamed))
+            s.kv_export = s.kv_sink = None
         return results
 
     def decode(self, results: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -122,6 +122,8 @@ class Transformer:
             q, k = ops.rotary(q, k, cos, sin)
             k_cache, v_cache = kv_cache[0, li], kv_cache[1, li]
             ops.store_kv(k_cache, v_cache, k, v, meta.slots)
+            if meta.on_layer is not None:  # layer-wise KV streaming (prefill-only sequences)
+                meta.on_layer(li)
             if tp == T:
                 attn = ops.prefill_attention(q, k, v, k_cache, v_cache, meta)
             elif tp == 0:

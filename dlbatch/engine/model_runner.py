@@ -22,6 +22,7 @@ class AttnMeta:
     decode_runs: list | None = None  # per sequence: [(first_slot, n_tokens), ...] contiguous in the cache
     native_runs: object | None = None  # decode_runs as flat tensors for the native CPU kernel
     sliding_window: int | None = None
+    on_layer: object = None  # called with the layer index right after it stored its KV
 
 
 class ModelRunner:
@@ -137,7 +138,13 @@ class ModelRunner:
         if not out.scheduled:
             return {}
         ids, pos, meta, rows, seqs = self.prepare(out)
+        streams = [(s.seq, self._export_index(s.seq, len(s.seq.prompt_ids))) for s in out.scheduled
+                   if s.seq.kv_sink is not None and s.seq.prefill_only and s.needs_logits]
+        if streams:
+            meta.on_layer = lambda li: self._stream_layer(streams, li)
         logits = self.model.forward(ids, pos, self.kv_cache, meta, rows)
+        for seq, _ in streams:
+            seq.kv_streamed = True
         if not seqs:
             return {}
         tokens = self.sample(logits, seqs)
@@ -164,21 +171,47 @@ class ModelRunner:
         return self.model.ops.sample(logits, temp, top_p, top_k, gens, False).tolist()
 
     # ---- KV export / import (prefill/decode disaggregation) ------------------------------
-    def export_kv(self, seq, num_tokens: int) -> list[torch.Tensor]:
-        """Per layer, (2, num_tokens, Hkv, D) copies of the sequence's KV (token-major)."""
-        idx = torch.tensor(self._slots(seq.block_table, 0, num_tokens), dtype=torch.long, device=self.device)
+    def _export_index(self, seq, num_tokens: int) -> torch.Tensor:
+        return torch.tensor(self._slots(seq.block_table, 0, num_tokens), dtype=torch.long, device=self.device)
+
+    def export_layer(self, idx: torch.Tensor, li: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``li`` of the KV at cache slots ``idx``, token-major (2, len(idx), Hkv, D),
+        gathered into ``out`` (same shape and dtype) or a new tensor."""
         hk, d = self.mconf.num_kv_heads, self.mconf.head_dim
         flat = self.kv_cache.view(2, self.mconf.num_layers, -1, hk, d)
-        out = []
-        for li in range(self.mconf.num_layers):
-            # K and V of a layer are each contiguous (slots, Hkv, D); gathering from the
-            # strided (2, slots, Hkv, D) view instead made torch copy the whole layer of the
-            # cache first (~2 s per exported sequence with a 3 GiB cache)
-            layer = torch.empty((2, num_tokens, hk, d), dtype=self.kv_cache.dtype, device=self.device)
-            torch.index_select(flat[0, li], 0, idx, out=layer[0])
-            torch.index_select(flat[1, li], 0, idx, out=layer[1])
-            out.append(layer)
+        shape = (2, idx.numel(), hk, d)
+        if out is None:
+            out = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.device)
+        elif tuple(out.shape) != shape or out.dtype != self.kv_cache.dtype:
+            raise ValueError(f"KV sink buffer for layer {li} is {tuple(out.shape)} {out.dtype}, "
+                             f"expected {shape} {self.kv_cache.dtype}")
+        # K and V of a layer are each contiguous (slots, Hkv, D); gathering from the strided
+        # (2, slots, Hkv, D) view instead made torch copy the whole layer of the cache first
+        # (~2 s per exported sequence with a 3 GiB cache)
+        torch.index_select(flat[0, li], 0, idx, out=out[0])
+        torch.index_select(flat[1, li], 0, idx, out=out[1])
         return out
+
+    def export_kv(self, seq, num_tokens: int) -> list[torch.Tensor]:
+        """Per layer, (2, num_tokens, Hkv, D) copies of the sequence's KV (token-major)."""
+        idx = self._export_index(seq, num_tokens)
+        return [self.export_layer(idx, li) for li in range(self.mconf.num_layers)]
+
+    def stream_kv(self, seq, num_tokens: int) -> None:
+        """Every layer of a finished prefill to ``seq.kv_sink`` (when it was not streamed)."""
+        idx = self._export_index(seq, num_tokens)
+        for li in range(self.mconf.num_layers):
+            self._send(seq, idx, li)
+        seq.kv_streamed = True
+
+    def _stream_layer(self, streams, li: int) -> None:
+        for seq, idx in streams:
+            self._send(seq, idx, li)
+
+    def _send(self, seq, idx: torch.Tensor, li: int) -> None:
+        sink = seq.kv_sink
+        buf = sink.layer_buffer(li) if hasattr(sink, "layer_buffer") else None
+        sink.send_layer(li, self.export_layer(idx, li, buf))
 
     def import_kv_layer(self, seq, layer: int, kv: torch.Tensor, start: int = 0) -> None:
         """Copy one layer's (2, n, Hkv, D) KV for token positions [start, n) into the

@@ -38,6 +38,9 @@ class Sequence:
     text: str | None = None
     kv_import: object = None  # decode-only: per-layer KV waiting to be copied in at admission
     kv_export: object = None  # prefill-only: per-layer KV taken out before the blocks are freed
+    kv_sink: object = None  # prefill-only: streams each layer's KV as it is computed (engine/pd.py KVSink)
+    kv_streamed: bool = False  # every layer went to kv_sink (kv_export stays None)
+    kv_imported: object = None  # decode-only: called once the imported KV is in our blocks (frees its source)
     generator_state: object = None
     pd_finish: str | None = None  # prefill-only: finish reason if the first token ended the request
 

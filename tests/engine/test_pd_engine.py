@@ -96,3 +96,104 @@ def test_first_token_finishing_needs_no_decode(tiny_path):
     outs = a.decode(res)
     assert [len(o.token_ids) for o in outs] == [1, 1]
     assert [o.token_ids for o in outs] == [o.token_ids for o in a.generate(p, SamplingParams(max_tokens=1))]
+
+
+class _RecordingSink:
+    """A KVSink that records when each layer arrives (how many layers the model had
+    finished by then) and what it held."""
+
+    def __init__(self, engine, buffered: bool):
+        self.engine = engine
+        self.buffered = buffered
+        self.layers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def layer_buffer(self, i):
+        if not self.buffered:
+            return None
+        c = self.engine.mconf
+        n = self.num_tokens
+        self.buffers[i] = torch.full((2, n, c.num_kv_heads, c.head_dim), float("nan"),
+                                     dtype=self.engine.runner.kv_cache.dtype)
+        return self.buffers[i]
+
+    def send_layer(self, i, kv):
+        assert i == len(self.layers), "layers arrive in order"
+        if self.buffered:
+            assert kv is self.buffers[i], "gathered straight into the sink's buffer"
+        self.layers[i] = kv.clone()
+
+
+def test_kv_streamed_layer_by_layer_equals_export(tiny_path):
+    """A KVSink gets every layer during the forward that finishes the prompt (chunked
+    prefill and prefix-cache hits included), equal to the exported KV, and decoding it
+    elsewhere gives generate's tokens."""
+    from dlbatch import LLM, SamplingParams
+    from dlbatch.engine.pd import PrefillResult
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = _prompts(4, 20, 90, seed=6)
+    a = LLM(tiny_path, dtype="float32", max_model_len=256, chat=False, max_num_batched_tokens=64)  # chunked
+    ref = [o.token_ids for o in a.generate(prompts, params)]
+    exported = a.prefill(prompts, params)
+    calls = []
+    orig = a.engine.runner.model.forward
+
+    def forward(*args, **kw):  # count forwards so we can tell when layers were sent
+        calls.append(1)
+        return orig(*args, **kw)
+
+    a.engine.runner.model.forward = forward
+    for buffered in (False, True):
+        sinks = []
+
+        def factory(k, n):
+            s = _RecordingSink(a.engine, buffered)
+            s.num_tokens = n
+            sinks.append(s)
+            return s
+
+        calls.clear()
+        res = a.prefill(prompts, params, kv_sink_factory=factory)  # prefix-cache hits on the 2nd pass
+        assert all(r.kv is None and r.kv_streamed for r in res)
+        for r, e, s, p in zip(res, exported, sinks, prompts):
+            assert sorted(s.layers) == list(range(len(e.kv)))
+            for i, layer in enumerate(e.kv):
+                assert layer.shape[1] == len(p) and torch.equal(s.layers[i], layer)
+            assert r.first_token == e.first_token
+        b = LLM(tiny_path, dtype="float32", max_model_len=256, chat=False, block_size=32)
+        rebuilt = [PrefillResult(request_id=r.request_id, prompt_ids=r.prompt_ids, first_token=r.first_token,
+                                 params=r.params, fingerprint=r.fingerprint,
+                                 kv=[s.layers[i] for i in range(len(s.layers))]) for r, s in zip(res, sinks)]
+        assert [o.token_ids for o in b.decode(rebuilt)] == ref
+    a.engine.runner.model.forward = orig
+
+
+def test_kv_streaming_happens_inside_the_forward(tiny_path):
+    """Layer i reaches the sink before layer i+1 is computed."""
+    from dlbatch import LLM, SamplingParams
+
+    a = LLM(tiny_path, dtype="float32", max_model_len=256, chat=False)
+    events = []
+    ops = a.engine.model.ops
+    orig_norm = ops.rms_norm
+
+    def rms_norm(*args, **kw):
+        events.append("compute")
+        return orig_norm(*args, **kw)
+
+    class Sink:
+        def send_layer(self, i, kv):
+            events.append(i)
+
+    import dataclasses
+
+    a.engine.model.ops = dataclasses.replace(ops, rms_norm=rms_norm)
+    try:
+        a.prefill([_prompts(1, 30, 30, seed=9)[0]], SamplingParams(max_tokens=4), kv_sink_factory=lambda k, n: Sink())
+    finally:
+        a.engine.model.ops = ops
+    sent = [e for e in events if e != "compute"]
+    assert sent == list(range(a.engine.mconf.num_layers))
+    # computation happens after layer 0 was sent (the later layers and the final norm)
+    assert "compute" in events[events.index(0) + 1:]
