@@ -100,10 +100,31 @@ def test_object_store_in_process_and_fingerprint(ray_local):
     rx = tr.open_receiver(handle)
     assert [i for i, _ in rx.receive_layers(timeout=10, out=dest.__getitem__)] == [0, 1, 2]
     assert all(np.array_equal(dest[i], p.layers[i]) for i in range(3))
-    bad = ObjectStoreHandle(handle.meta, handle.refs, (handle.checksums[0], handle.checksums[1] ^ 1, None))
+    bad = ObjectStoreHandle(handle.meta, handle.refs, (handle.checksums[0], handle.checksums[1] ^ 1, None),
+                            handle.layers_per_ref)
     with pytest.raises(CorruptPayload, match="layer 1"):
         for _ in tr.open_receiver(bad).receive_layers(timeout=10, out=dest.__getitem__):
             pass
+
+
+def test_object_store_coalesces_layers_and_sends_the_last_alone(ray_local):
+    """Small layers share an object (one put for several); the last layer goes alone so that
+    little is left to put once the compute is done; the receiver sees the same layers."""
+    p = P.from_torch_layers(make_layers(torch.float32, n_layers=7), FP)
+    tr = get_transport("object_store", device="cpu")
+    per = p.meta.layer_nbytes
+    for min_bytes, counts in ((0, (1,) * 7), (3 * per, (3, 3, 1)), (100 * per, (6, 1))):
+        sender = tr.open_sender(p.meta, min_object_bytes=min_bytes)
+        for i, a in enumerate(p.layers):
+            sender.send_layer(i, a)
+        handle = sender.close()
+        assert handle.layers_per_ref == counts and len(handle.refs) == len(counts)
+        q = tr.receive(handle, timeout=10, expected_fingerprint=FP)
+        assert [a.tobytes() for a in q.layers] == [a.tobytes() for a in p.layers]
+    sender = tr.open_sender(p.meta)
+    with pytest.raises(ValueError, match="expected layer 0"):
+        sender.send_layer(1, p.layers[1])
+    sender.abort()
 
 
 def test_object_store_streamed_to_waiting_receiver(ray_local):
@@ -113,25 +134,29 @@ def test_object_store_streamed_to_waiting_receiver(ray_local):
     p = P.from_torch_layers(make_layers(torch.bfloat16, n_layers=4), FP)
     tr = get_transport("object_store", device="cpu")
     got = []
-    sender = tr.open_sender(p.meta, on_layer=lambda i, ref, csum: got.append((i, ref, csum)))
+    sender = tr.open_sender(p.meta, on_object=lambda first, ref, sums: got.append((first, ref, sums)),
+                            min_object_bytes=2 * p.meta.layer_nbytes)
     for i, a in enumerate(p.layers):
         sender.send_layer(i, a)
     handle = sender.close()
-    assert [i for i, _, _ in got] == [0, 1, 2, 3] and all(c is not None for _, _, c in got)
+    assert [(first, len(sums)) for first, _, sums in got] == [(0, 2), (2, 1), (3, 1)]
+    assert all(c is not None for _, _, sums in got for c in sums)
     dest = np.zeros((4, *p.meta.layer_shape), dtype=np.uint16)
     rx = ObjectStoreReceiver.streaming(p.meta)
-    for i, ref, csum in got:
-        rx.receive_layer(i, ref, csum, timeout=10, out=dest.__getitem__)
+    for first, ref, sums in got:
+        rx.receive_object(first, ref, sums, timeout=10, out=dest.__getitem__)
     assert rx.stream_complete and all(np.array_equal(dest[i], p.layers[i]) for i in range(4))
     rx = ObjectStoreReceiver.streaming(p.meta)
-    with pytest.raises(CorruptPayload, match="layer 0"):
-        rx.receive_layer(0, got[0][1], got[0][2] ^ 1, timeout=10, out=dest.__getitem__)
+    with pytest.raises(CorruptPayload, match="layer 1"):
+        rx.receive_object(0, got[0][1], (got[0][2][0], got[0][2][1] ^ 1), timeout=10, out=dest.__getitem__)
     rx = ObjectStoreReceiver.streaming(p.meta)
-    rx.receive_layer(0, got[0][1], got[0][2], timeout=10)
+    rx.receive_object(0, got[0][1], got[0][2], timeout=10)
     with pytest.raises(TransferError, match="checksum"):
-        rx.receive_layer(1, got[1][1], None, timeout=10)  # a stream cannot drop checksums midway
+        rx.receive_object(2, got[1][1], (None,), timeout=10)  # a stream cannot drop checksums midway
     with pytest.raises(TruncatedPayload, match="expected layer"):
-        ObjectStoreReceiver.streaming(p.meta).receive_layer(2, got[2][1], got[2][2], timeout=10)
+        ObjectStoreReceiver.streaming(p.meta).receive_object(2, got[1][1], got[1][2], timeout=10)
+    with pytest.raises(TruncatedPayload, match="should hold 2"):  # an object that holds fewer layers than said
+        ObjectStoreReceiver.streaming(p.meta).receive_object(0, got[1][1], (None, None), timeout=10)
     del handle
 
 
@@ -142,8 +167,8 @@ def test_object_store_receive_timeout(ray_local):
         return np.zeros((2, 9, 2, 8), np.float32)
 
     meta = P.make_meta(FP, "float32", 2, 9, 2, 8)
-    refs = (ray.put(np.zeros((2, 9, 2, 8), np.float32)), slow_layer.remote())
-    handle = ObjectStoreHandle(meta, refs, (None, None))
+    refs = (ray.put([np.zeros((2, 9, 2, 8), np.float32)]), slow_layer.remote())
+    handle = ObjectStoreHandle(meta, refs, (None, None), (1, 1))
     tr = get_transport("object_store", device="cpu")
     t0 = time.monotonic()
     with pytest.raises(TransferTimeout, match=r"timed out after 1s waiting for 2 KV layers.*layer 1"):
