@@ -66,6 +66,7 @@ from dlbatch.transfer.payload import (
     _ENTRY,
     ALIGN,
     ENTRY_SIZE,
+    checksum,
     copy_checksum,
     KVMeta,
     _align,
@@ -459,6 +460,18 @@ class ShmSender(KVSender):
     def handle(self) -> ShmHandle:
         return self._handle
 
+    def layer_buffer(self, i: int) -> np.ndarray:
+        """Layer ``i``'s place in the segment, writable, shape ``meta.layer_shape``: a producer
+        that writes the layer there itself (the engine's export gather) and then calls
+        ``send_layer(i, that_view)`` saves the copy into the segment."""
+        if self._shm is None:
+            raise TransferError(f"shm sender for segment {self._handle.name} is closed; no buffer for layer {i}")
+        if not 0 <= i < self.meta.num_layers:
+            raise ValueError(f"layer {i} out of range [0, {self.meta.num_layers})")
+        return np.frombuffer(self._shm.buf, dtype=self.meta.storage_dtype, count=self.meta.layer_nbytes
+                             // self.meta.storage_dtype.itemsize,
+                             offset=self._layout.layer_offsets[i]).reshape(self.meta.layer_shape)
+
     def send_layer(self, i: int, array: np.ndarray) -> None:
         if self._shm is None:
             raise TransferError(f"shm sender for segment {self._handle.name} is closed; cannot send layer {i}")
@@ -467,8 +480,11 @@ class ShmSender(KVSender):
         array = check_layer(self.meta, i, array)
         buf = self._shm.buf
         dst = np.frombuffer(buf, dtype=np.uint8, count=self.meta.layer_nbytes, offset=self._layout.layer_offsets[i])
-        # one pass: copy into the segment and checksum the copied bytes while in cache
-        csum = copy_checksum(dst, array, self.meta.checksum_algo if self.verify else None)
+        algo = self.meta.checksum_algo if self.verify else None
+        if array.ctypes.data == dst.ctypes.data:  # written in place through layer_buffer(i)
+            csum = checksum(dst, algo) if algo else None
+        else:  # one pass: copy into the segment and checksum the copied bytes while in cache
+            csum = copy_checksum(dst, array, algo)
         del dst
         entry = self._layout.table_offset + i * ENTRY_SIZE
         _ENTRY.pack_into(buf, entry, csum or 0, 0, csum is not None)

@@ -1,0 +1,76 @@
+"""The engine's layer-wise KV stream (``dlbatch.engine.pd.KVSink``) onto a transport sender.
+
+The prefill engine calls ``send_layer(i, kv)`` from inside its forward, right after layer
+``i`` stored its KV. ``TransportSink`` hands each layer to a background thread (in order)
+that passes it to the transport's sender -- the object store's checksum and ``ray.put``,
+the shm segment's checksum and ready flag -- so the engine goes on with layer ``i+1``
+while layer ``i`` travels. When the sender can lend its own memory (``layer_buffer``:
+shm), the engine gathers the layer straight into it and the copy into the segment
+disappears.
+
+``finish(timeout)`` waits for the stream and returns the sender's handle (what the
+receiver needs); ``abort()`` drops everything. The engine imports nothing of this module.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from dlbatch.transfer.base import Deadline, KVSender
+from dlbatch.transfer.payload import KVMeta, tensor_to_numpy, torch_dtype
+
+
+class TransportSink:
+    def __init__(self, sender: KVSender, background: bool = True):
+        self.sender = sender
+        self.meta: KVMeta = sender.meta
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-stream") if background else None
+        self._futures: list[Future] = []
+        self._lock = threading.Lock()
+        self._lends = hasattr(sender, "layer_buffer")
+
+    def layer_buffer(self, i: int):
+        """The sender's own memory for layer i as a torch tensor in the KV dtype, or None."""
+        if not self._lends:
+            return None
+        import torch
+
+        arr = self.sender.layer_buffer(i)
+        t = torch.from_numpy(arr)
+        want = torch_dtype(self.meta.dtype)
+        return t.view(want) if t.dtype != want else t
+
+    def send_layer(self, i: int, kv) -> None:
+        arr = tensor_to_numpy(kv)  # a view of kv (kept alive by the array) unless it must move to CPU
+        with self._lock:
+            if self._pool is None:
+                fut: Future = Future()
+                self.sender.send_layer(i, arr)
+                fut.set_result(None)
+            else:
+                fut = self._pool.submit(self.sender.send_layer, i, arr)
+            self._futures.append(fut)
+
+    def finish(self, timeout: float = 60.0):
+        """Wait until every layer was handed over; close the sender; return its handle."""
+        deadline = Deadline(timeout, f"streaming {self.meta.num_layers} KV layers into the transport")
+        try:
+            for k, fut in enumerate(self._futures):
+                try:
+                    fut.result(timeout=deadline.remaining())
+                except FutureTimeout:
+                    raise deadline.error(f"layer {k} still being handed over") from None
+            return self.sender.close(timeout=max(deadline.remaining(), 1e-3))
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+
+    def abort(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._futures.clear()
+        self.sender.abort()
