@@ -126,6 +126,8 @@ class JobRunner:
         self.retries = 0
         self.timeline: list[dict] = []
         self.workers: dict[str, list] = {}  # role -> actor handles (tests: ping() gives pids)
+        self.kv_via = "object_store"  # how prefill workers hand KV to decode workers (set per run)
+        self.rdt_backend = None
         self.inflight = 0  # batches in flight now (tests: kill a worker mid-batch)
         self.io_retries_start = 0
 
@@ -250,16 +252,19 @@ class JobRunner:
             chips[p.chip] += p.replicas
         from dlbatch.engine.loader import model_dir
 
-        if "prefill" in pools and spec.cluster.kv_transport in ("rdt", "dlslime"):
+        via = spec.cluster.kv_transport
+        if "prefill" in pools and via in ("rdt", "dlslime", "shm"):
             from dlbatch.transfer.base import get_transport
 
+            if via == "rdt" and pools["prefill"].device.split(":")[0] != pools["decode"].device.split(":")[0]:
+                raise JobFailed(f"cluster.kv_transport='rdt' needs the prefill and decode pools on the same kind of "
+                                f"device (one collective backend), got {pools['prefill'].device!r} and "
+                                f"{pools['decode'].device!r}; use object_store")
             try:  # fail before any work starts, naming what is missing
-                get_transport(spec.cluster.kv_transport, same_node=True, device=pools["prefill"].device,
-                              peer_device=pools["decode"].device)
+                get_transport(via, same_node=True, device=pools["prefill"].device, peer_device=pools["decode"].device)
             except Exception as e:
-                raise JobFailed(f"cluster.kv_transport={spec.cluster.kv_transport!r} cannot run here: {e}") from None
-            raise JobFailed(f"cluster.kv_transport={spec.cluster.kv_transport!r} is not wired into the worker "
-                            "pools yet; use auto, object_store or shm")
+                raise JobFailed(f"cluster.kv_transport={via!r} cannot run here: {e}") from None
+        self.kv_via = via if via != "auto" else "object_store"
         model_dir(spec.model.name)  # convert a GGUF once, before workers race for it
         started = start_ray(spec.cluster.address, dict(chips))
         workers: dict[str, list] = {}
@@ -268,8 +273,9 @@ class JobRunner:
         self.needed_resources = {chip_resource(p.chip): role for role, p in pools.items()}
         try:
             self._wait_for_resources(time.time())
+            rdt = "prefill" in pools and self.kv_via == "rdt"
             for role, pool in pools.items():
-                cls = make_worker_class(role)
+                cls = make_worker_class(role, tensor_transport=rdt)
                 threads = max(1, int(round(pool.num_cpus))) if pool.device == "cpu" else 1
                 if pool.device == "cpu" and len(pools) == 1:
                     threads = max(threads, min(2, os.cpu_count() or 1))
@@ -285,6 +291,11 @@ class JobRunner:
             # documents are parsed and tokenized while the workers load the model
             prefetch = BatchPrefetcher(get_pipeline(spec.pipeline).build(spec, files, skip_docs))
             self._wait_workers_up(workers)
+            if rdt:  # one collective group over every prefill and decode worker
+                from dlbatch.transfer import rdt as rdt_mod
+
+                rdt_mod.create_group(workers["prefill"] + workers["decode"], device=pools["prefill"].device)
+                self.rdt_backend = rdt_mod.backend_for(pools["prefill"].device)
             return self._drive(store, prefetch, workers, t_start, sig)
         finally:
             if prefetch is not None:
@@ -391,7 +402,11 @@ class JobRunner:
                 load = sum(len(x["token_ids"]) + x["max_tokens"] for x in items)
                 dec_load[d] += load
                 pref = front[front_idx].prefill.remote(items)
-                ref = decoders[d].decode.remote(pref, items)
+                if self.kv_via == "rdt":  # the tensors go prefill worker -> decode worker directly
+                    kv = front[front_idx].rdt_export.options(tensor_transport=self.rdt_backend).remote(pref)
+                    ref = decoders[d].decode_rdt.remote(kv, pref, items)
+                else:
+                    ref = decoders[d].decode.remote(pref, items)
                 inflight[ref] = (items, front_idx, d, load, quarantine)
             else:
                 ref = front[front_idx].generate.remote(items)

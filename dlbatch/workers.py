@@ -32,6 +32,13 @@ class WorkerSpec:
     block_size: int = 16
     storage_options: dict | None = None
     kv_transport: str = "object_store"  # how prefill workers hand KV to decode workers
+    kv_timeout_s: float = 120.0  # longest wait for a KV transfer (put, receive) before it fails
+
+
+# transports fed layer by layer from inside the prefill forward (dlbatch/transfer/sink.py);
+# "rdt" keeps the tensors in the prefill worker until the decode worker pulls them
+STREAMED = ("object_store", "shm", "dlslime")
+RDT_KEEP = 4096  # prefill results kept for an RDT pull at most (oldest dropped, with a warning)
 
 
 def request_params(r: dict):
@@ -64,6 +71,8 @@ class EngineLoop:
         self.started = time.time()
         self.error: BaseException | None = None
         self._transports: dict = {}
+        self._rdt_kept: dict = {}
+        self._rdt_lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name=f"dlbatch-{role}-engine", daemon=True)
         self.thread.start()
 
@@ -81,6 +90,8 @@ class EngineLoop:
                 seq = eng.add_request(item["request_id"], item["token_ids"], request_params(item))
             elif kind == "prefill":
                 seq = eng.add_request(item["request_id"], item["token_ids"], request_params(item), prefill_only=True)
+                if self.kv_via in STREAMED:
+                    seq.kv_sink = self._open_sink(len(seq.prompt_ids))
             elif kind == "decode":
                 seq = self._import(item)
             else:  # pragma: no cover
@@ -90,17 +101,65 @@ class EngineLoop:
             return
         self.futures[id(seq)] = (fut, seq)
 
-    def _import(self, item):
-        from dlbatch.transfer.payload import layer_to_torch, validate
+    @property
+    def kv_via(self) -> str:
+        # auto: the object store (works across nodes); shm/rdt/dlslime only when asked for
+        return self.spec.kv_transport if self.spec.kv_transport != "auto" else "object_store"
 
-        payload = item["kv"]
-        via = item.get("kv_via", "object_store")
-        if via != "object_store":  # a handle: pull the payload through that transport
-            payload = self.transport(via).receive(payload, timeout=120, expected_fingerprint=self.llm.fingerprint)
-        validate(payload, expected_fingerprint=self.llm.fingerprint)
-        layers = [layer_to_torch(payload, i) for i in range(payload.meta.num_layers)]
-        return self.engine.add_imported(item["request_id"], item["token_ids"], item["first_token"],
-                                        request_params(item), layers, item.get("generator_state"))
+    def _open_sink(self, num_tokens: int):
+        from dlbatch.transfer.payload import dtype_name, make_meta
+        from dlbatch.transfer.sink import TransportSink
+
+        c = self.engine.mconf
+        meta = make_meta(self.llm.fingerprint, dtype_name(self.engine.runner.kv_cache.dtype), c.num_layers,
+                         num_tokens, c.num_kv_heads, c.head_dim)
+        return TransportSink(self.transport(self.kv_via).open_sender(meta))
+
+    def receive_kv(self, item: dict) -> dict:
+        """Decode side, on the calling thread (not the engine's): pull a request's KV through
+        the transport it came by; the layers stay zero-copy views of the transport's buffers
+        (object store, shm) until the engine has copied them into its blocks."""
+        from dlbatch.transfer.payload import KVPayload, layer_to_torch, validate
+
+        kv, via = item.get("kv"), item.get("kv_via", "object_store")
+        release = None
+        if isinstance(kv, KVPayload):  # carried inline
+            payload = kv
+        elif via == "rdt":
+            payload = item["kv_payload"]
+        else:
+            rx = self.transport(via).open_receiver(kv)
+            release = rx.release
+            try:
+                arrays = [a for _, a in rx.receive_layers(timeout=self.spec.kv_timeout_s)]
+                payload = KVPayload(rx.meta, arrays)
+            except BaseException:
+                rx.release()
+                raise
+        try:
+            validate(payload, expected_fingerprint=self.llm.fingerprint, verify=False)
+            layers = [layer_to_torch(payload, i) for i in range(payload.meta.num_layers)]
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        return {**item, "kv": None, "kv_layers": layers, "kv_release": release}
+
+    def _import(self, item):
+        release = item.get("kv_release")
+        try:
+            seq = self.engine.add_imported(item["request_id"], item["token_ids"], item["first_token"],
+                                           request_params(item), item["kv_layers"], item.get("generator_state"))
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if release is not None:
+            if seq.kv_import is None:  # nothing to copy (the first token ended it)
+                release()
+            else:
+                seq.kv_imported = release
+        return seq
 
     def _loop(self) -> None:
         eng = self.engine
@@ -129,11 +188,22 @@ class EngineLoop:
             except Exception as e:  # engine failure: fail every pending call, keep serving
                 log.exception("engine step failed")
                 self.error = e
-                for fut, _ in self.futures.values():
+                for fut, seq in self.futures.values():
+                    self._drop_transfer(seq)
                     if not fut.done():
                         fut.set_exception(e)
                 self.futures.clear()
                 eng.scheduler.abort_all()
+
+    @staticmethod
+    def _drop_transfer(seq) -> None:
+        """A failed sequence's KV stream (prefill) or imported views (decode) are let go."""
+        sink, seq.kv_sink = seq.kv_sink, None
+        if sink is not None:
+            sink.abort()
+        done, seq.kv_imported = seq.kv_imported, None
+        if done is not None:
+            done()
 
     def transport(self, name: str):
         if name not in self._transports:
@@ -144,14 +214,16 @@ class EngineLoop:
 
     def _result(self, seq) -> dict:
         if self.role == "prefill":
-            from dlbatch.transfer.payload import from_torch_layers
-
-            kv = from_torch_layers(seq.kv_export, self.llm.fingerprint) if seq.kv_export is not None else None
+            via, kv = self.kv_via, None
+            sink, seq.kv_sink = seq.kv_sink, None
+            if seq.pd_finish is not None:  # the first token ended it: no decode, no KV to move
+                if sink is not None:
+                    sink.abort()
+            elif sink is not None:
+                kv = sink.finish(timeout=self.spec.kv_timeout_s)  # the handle the decode worker pulls with
+            elif via == "rdt":
+                self._keep_for_rdt(seq.seq_id, seq.kv_export)
             seq.kv_export = None
-            # auto: the object store (works across nodes); shm/rdt/dlslime only when asked for
-            via = self.spec.kv_transport if self.spec.kv_transport != "auto" else "object_store"
-            if kv is not None and via != "object_store":
-                kv = self.transport(via).send(kv)
             return {"kv_via": via, "request_id": seq.seq_id, "token_ids": list(seq.prompt_ids), "first_token": seq.output_ids[0],
                     "finish_reason": seq.pd_finish, "generator_state": seq.generator_state, "kv": kv,
                     "ttft_s": (seq.first_token_time - seq.arrival) if seq.first_token_time else None,
@@ -161,6 +233,32 @@ class EngineLoop:
                 "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
                 "output_tokens": len(out.token_ids), "cached_tokens": out.cached_tokens,
                 "ttft_s": out.metrics.get("ttft_s"), "latency_s": out.metrics.get("latency_s")}
+
+    # ---- RDT: the tensors stay here until the decode worker pulls them ----------------------
+    def _keep_for_rdt(self, request_id: str, layers) -> None:
+        with self._rdt_lock:
+            self._rdt_kept[request_id] = layers
+            while len(self._rdt_kept) > RDT_KEEP:
+                old = next(iter(self._rdt_kept))
+                self._rdt_kept.pop(old)
+                log.warning("dropped the KV of request %s: not pulled over RDT among the last %d", old, RDT_KEEP)
+
+    def rdt_export(self, prefilled: list[dict]) -> dict:
+        """{request_id: rdt.pack(meta, layers)} for the prefilled requests that need a decode."""
+        from dlbatch.transfer import rdt
+        from dlbatch.transfer.payload import dtype_name, make_meta
+
+        c = self.engine.mconf
+        out = {}
+        with self._rdt_lock:
+            for p in prefilled:
+                layers = self._rdt_kept.pop(p["request_id"], None)
+                if layers is None:
+                    continue  # failed, finished at its first token, or not ours
+                meta = make_meta(self.llm.fingerprint, dtype_name(layers[0].dtype), c.num_layers, layers[0].shape[1],
+                                 c.num_kv_heads, c.head_dim)
+                out[p["request_id"]] = rdt.pack(meta, layers)
+        return out
 
     def run_batch(self, kind: str, items: list[dict], timeout: float) -> list[dict]:
         futs = [self.submit(kind, it) for it in items]
@@ -215,14 +313,43 @@ class PrefillWorkerImpl(_WorkerBase):
         self._maybe_die(items)
         return self.loop.run_batch("prefill", items, timeout)
 
+    def rdt_export(self, prefilled: list[dict]) -> dict:
+        """kv_transport=rdt: call with ``.options(tensor_transport=backend)`` after ``prefill``
+        (pass its ObjectRef, so this runs once it is done); the tensors move from here to
+        the decode worker that receives the returned ref as a top-level argument."""
+        return self.loop.rdt_export(prefilled)
+
 
 class DecodeWorkerImpl(_WorkerBase):
     ROLE = "decode"
 
+    def decode_rdt(self, kv: dict, prefilled: list[dict], items: list[dict], timeout: float = 3600.0) -> list[dict]:
+        """kv_transport=rdt: ``kv`` is the prefill worker's ``rdt_export`` result (moved by
+        Ray's tensor transport); otherwise as ``decode``."""
+        from dlbatch.transfer import rdt
+        from dlbatch.transfer.payload import KVPayload, tensor_to_numpy
+
+        joined = []
+        for p in prefilled:
+            if "error" not in p and p.get("finish_reason") is None:
+                obj = kv.get(p["request_id"])
+                if obj is None:
+                    p = {"request_id": p["request_id"], "error": "TransferError: the prefill worker had no KV for "
+                         f"request {p['request_id']} to send over RDT (restarted, or the KV was dropped)"}
+                else:
+                    try:
+                        meta, tensors = rdt.unpack(obj, expected_fingerprint=self.loop.llm.fingerprint)
+                        p = {**p, "kv_payload": KVPayload(meta, [tensor_to_numpy(t) for t in tensors])}
+                    except Exception as e:
+                        p = {"request_id": p["request_id"], "error": f"{type(e).__name__}: {e}"}
+            joined.append(p)
+        return self.decode(joined, items, timeout)
+
     def decode(self, prefilled: list[dict], items: list[dict], timeout: float = 3600.0) -> list[dict]:
-        """`prefilled` (from a prefill worker, resolved by Ray from its ObjectRef: the KV
-        arrays are zero-copy views of the object store) joined with the original `items`
-        (sampling params) by request id."""
+        """`prefilled` (from a prefill worker, resolved by Ray from its ObjectRef) joined with
+        the original `items` (sampling params) by request id. Each request's KV is pulled
+        through the transport its handle names, here on the calling thread, as zero-copy
+        views where the transport allows; the engine copies them into its blocks."""
         self._maybe_die(items)
         by_id = {it["request_id"]: it for it in items}
         work, out = [], {}
@@ -238,7 +365,10 @@ class DecodeWorkerImpl(_WorkerBase):
                                         "output_tokens": 1, "cached_tokens": p.get("cached_tokens", 0),
                                         "ttft_s": p.get("ttft_s"), "latency_s": p.get("ttft_s")}
                 continue
-            work.append({**base, **p})
+            try:
+                work.append(self.loop.receive_kv({**base, **p}))
+            except Exception as e:  # a lost, corrupt or foreign payload fails its request, clearly
+                out[p["request_id"]] = {"request_id": p["request_id"], "error": f"{type(e).__name__}: {e}"}
         for r in self.loop.run_batch("decode", work, timeout):
             src = next((p for p in prefilled if p["request_id"] == r["request_id"]), {})
             if "error" not in r:
@@ -248,8 +378,11 @@ class DecodeWorkerImpl(_WorkerBase):
         return [out[it["request_id"]] for it in items if it["request_id"] in out]
 
 
-def make_worker_class(role: str):
+def make_worker_class(role: str, tensor_transport: bool = False):
+    """The Ray actor class for ``role``; ``tensor_transport=True`` for kv_transport=rdt."""
     import ray
 
     impl = {"colocated": ColocatedWorkerImpl, "prefill": PrefillWorkerImpl, "decode": DecodeWorkerImpl}[role]
+    if tensor_transport:
+        return ray.remote(max_concurrency=64, enable_tensor_transport=True)(impl)
     return ray.remote(max_concurrency=64)(impl)
