@@ -104,14 +104,23 @@ class LLM:
         return seqs
 
     def _run(self, seqs, use_tqdm: bool = False) -> list[RequestOutput]:
+        self._add(seqs)
+        done = self._step_until_done(len(seqs), use_tqdm)
+        return [self.engine.to_output(done[id(s)]) for s in seqs]
+
+    def _add(self, seqs) -> None:
         for s in seqs:
             self.engine.scheduler.add(s)
             self.engine.stats["prompt_tokens"] += len(s.prompt_ids)
+
+    def _step_until_done(self, n: int, use_tqdm: bool = False, desc: str = "generate") -> dict:
+        """Step the engine until nothing is left; {id(seq): seq} of what finished. On an
+        exception mid-run the engine is left clean (every request aborted)."""
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(seqs), desc="generate", unit="req")
+            bar = tqdm(total=n, desc=desc, unit="req")
         done = {}
         try:
             while self.engine.has_unfinished():
@@ -122,9 +131,9 @@ class LLM:
         finally:
             if bar:
                 bar.close()
-            if self.engine.has_unfinished():  # an exception mid-run: leave the engine clean
+            if self.engine.has_unfinished():
                 self.engine.scheduler.abort_all()
-        return [self.engine.to_output(done[id(s)]) for s in seqs]
+        return done
 
     # ---- prefill / decode disaggregation ----------------------------------------------------
     def prefill(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None,
@@ -146,7 +155,8 @@ class LLM:
             seq.prefill_only = True
             if kv_sink_factory is not None:
                 seq.kv_sink = kv_sink_factory(k, len(seq.prompt_ids))
-        self._run_seqs(seqs)
+        self._add(seqs)
+        self._step_until_done(len(seqs))
         results = []
         for s in seqs:
             kv = s.kv_export
@@ -179,14 +189,7 @@ class LLM:
             seq = self.engine.add_imported(r.request_id, r.prompt_ids, r.first_token, sp, layers, r.generator_state)
             seq.truncated = r.truncated
             seqs.append(seq)
-        done = {}
-        try:
-            while self.engine.has_unfinished():
-                for seq in self.engine.step():
-                    done[id(seq)] = seq
-        finally:
-            if self.engine.has_unfinished():
-                self.engine.scheduler.abort_all()
+        done = self._step_until_done(len(seqs))
         return [self.engine.to_output(done[id(s)]) for s in seqs]
 
     def _kv_layers(self, r) -> list:
@@ -197,17 +200,6 @@ class LLM:
 
         validate(kv, expected_fingerprint=self.fingerprint)
         return [layer_to_torch(kv, i) for i in range(kv.meta.num_layers)]
-
-    def _run_seqs(self, seqs) -> None:
-        for s in seqs:
-            self.engine.scheduler.add(s)
-            self.engine.stats["prompt_tokens"] += len(s.prompt_ids)
-        try:
-            while self.engine.has_unfinished():
-                self.engine.step()
-        finally:
-            if self.engine.has_unfinished():
-                self.engine.scheduler.abort_all()
 
     def stats(self) -> dict:
         st = dict(self.engine.stats)
