@@ -47,15 +47,27 @@ def test_sample_job_pd_then_noop_and_status(ray_local, sample_model, tmp_path):
     assert (st["docs_done"], st["docs_failed"], st["docs_pending"], st["rows"]) == (2, 0, 0, 6)
 
 
-def test_colocated_equals_pd_greedy(ray_local, sample_model, tmp_path):
-    a, b = str(tmp_path / "pd"), str(tmp_path / "co")
-    _run("jobs/papers.yaml", a, ["input.limit=1", "model.dtype=float32"])
-    _run("jobs/papers.yaml", b, ["input.limit=1", "model.dtype=float32",
-                                 "cluster.colocated={chip: fast, replicas: 1, num_cpus: 0.5}"])
+def test_colocated_equals_pd_greedy_through_every_transport(ray_local, sample_model, tmp_path):
+    """The sample job's PD pools (prefill worker -> KV -> decode worker) give the colocated
+    outputs, through each KV transport that can run here."""
+    from dlbatch.transfer.base import get_transport
+    from dlbatch.transfer.errors import TransportUnavailable
+
     key = lambda r: (r["doc_id"], r["task"])  # noqa: E731
-    ra = {key(r): r["output"] for r in _rows(a)}
-    rb = {key(r): r["output"] for r in _rows(b)}
-    assert ra == rb and len(ra) == 3
+    co = str(tmp_path / "co")
+    _run("jobs/papers.yaml", co, ["input.limit=1", "model.dtype=float32",
+                                  "cluster.colocated={chip: fast, replicas: 1, num_cpus: 0.5}"])
+    ref = {key(r): r["output"] for r in _rows(co)}
+    assert len(ref) == 3
+    for via in ("object_store", "shm", "rdt", "dlslime"):
+        try:
+            get_transport(via, same_node=True, device="cpu")
+        except TransportUnavailable:
+            continue  # e.g. dlslime not installed: tests/test_transfer_dlslime.py says why
+        out = str(tmp_path / via)
+        rep = _run("jobs/papers.yaml", out, ["input.limit=1", "model.dtype=float32", f"cluster.kv_transport={via}"])
+        assert set(rep["pools"]) == {"prefill", "decode"}
+        assert {key(r): r["output"] for r in _rows(out)} == ref, via
 
 
 def test_jsonl_input_with_bad_rows_dead_lettered(ray_local, sample_model, tmp_path):
