@@ -131,3 +131,29 @@ def test_router_bench_smoke(tmp_path, sample_model):
     assert r["outputs"]["identical"] == r["outputs"]["compared"] == 6
     assert s["prefix_aware"]["compute_fraction"] <= s["round_robin"]["compute_fraction"]
     assert len(r["targets"]) == 4
+
+
+@pytest.mark.ray
+def test_bench_kv_small(ray_local, tmp_path):
+    """bench kv end to end on small sizes and a tiny model's streamed prefill: ratios are
+    the measured figures divided by the memcpy measured in the same run."""
+    from tests.tiny_models import make_tiny_model
+
+    model = str(tmp_path / "tiny")
+    make_tiny_model("llama", model)
+    res = _bench("kv", ["--sizes-mb", "8", "--repeats", "1", "--overlap-tokens", "200", "--overlap-model", model],
+                 tmp_path)
+    row = res["sizes"][str(8 << 20)]
+    base = row["memcpy_gbps"]["numpy_copyto"]
+    for name in ("shm", "object_store"):
+        r = row["transports"][name]
+        assert r["median_gbps"] > 0 and _close(r["ratio_to_memcpy"], r["median_gbps"] / base)
+        assert len(r["times_s"]) == 2
+    assert row["ray_put_alone_gbps"] > 0
+    o = res["overlap"]
+    assert o["tokens"] == 200 and o["kv_bytes"] > 0
+    for name in ("shm", "object_store"):
+        t = o["transports"][name]
+        assert 0.0 <= t["hidden_fraction"] <= 1.0 and t["transfer_alone_s"] > 0
+        assert _close(t["hidden_fraction"], max(0.0, 1 - t["exposed_s"] / t["transfer_alone_s"]))
+    assert {t["transport"] for t in res["targets"] if "transport" in t} == {"shm", "object_store"}
