@@ -34,6 +34,7 @@ import numpy as np
 
 MB = 1 << 20
 HEADS, DIM, ITEM = 8, 128, 2  # bf16
+BENCH_TRANSPORTS = ("shm", "object_store", "dlslime")
 
 
 def _gbps(nbytes: int, s: float) -> float:
@@ -92,30 +93,36 @@ def _shm_child(conn, verify):
         conn.send((time.monotonic(), copy_s))
 
 
-class ShmReceiverProcess:
-    """A receiving process for shm handles: ``expect(handle)`` before the sender starts,
-    ``wait()`` -> (monotonic time the last layer was copied, seconds in its receive loop)."""
+class ReceiverProcess:
+    """A receiving process running ``target(conn, verify)``: ``expect(handle)`` before the
+    sender starts, ``wait()`` -> what the child sent back (for shm: the monotonic time the
+    last layer was copied, seconds in its receive loop); a child may answer
+    ``("error", message)``."""
 
-    def __init__(self, verify: bool):
+    def __init__(self, target, verify: bool, what: str = "shm"):
+        self.what = what
         ctx = mp.get_context("spawn")  # fork after torch/OpenMP or Ray threads started can deadlock
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_shm_child, args=(child, verify), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, verify), daemon=True)
         self.proc.start()
         if not self.conn.poll(120) or self.conn.recv() != "ready":
             self.close()
-            raise TimeoutError("shm bench receiver process did not start within 120s")
+            raise TimeoutError(f"{what} bench receiver process did not start within 120s")
 
     def expect(self, handle) -> None:
         self.conn.send(handle)
 
-    def wait(self, timeout: float = 300.0) -> tuple[float, float]:
+    def wait(self, timeout: float = 300.0):
         deadline = time.monotonic() + timeout
         while not self.conn.poll(0.5):
             if not self.proc.is_alive():
-                raise RuntimeError(f"shm bench receiver process died (exit code {self.proc.exitcode})")
+                raise RuntimeError(f"{self.what} bench receiver process died (exit code {self.proc.exitcode})")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"shm bench receiver did not finish within {timeout:g}s")
-        return self.conn.recv()
+                raise TimeoutError(f"{self.what} bench receiver did not finish within {timeout:g}s")
+        msg = self.conn.recv()
+        if isinstance(msg, tuple) and msg and msg[0] == "error":
+            raise RuntimeError(f"{self.what} bench receiver failed: {msg[1]}")
+        return msg
 
     def close(self) -> None:
         try:
@@ -127,11 +134,14 @@ class ShmReceiverProcess:
             self.proc.kill()
 
 
-def _run_shm(meta, layers, repeats, verify):
-    from dlbatch.transfer.shm import ShmTransport
+def ShmReceiverProcess(verify: bool) -> ReceiverProcess:  # noqa: N802  (reads as a class)
+    return ReceiverProcess(_shm_child, verify, "shm")
 
-    rx = ShmReceiverProcess(verify)
-    tr = ShmTransport()
+
+def run_to_child(tr, rx: ReceiverProcess, meta, layers, repeats: int, verify: bool, after=None):
+    """``repeats`` transfers of ``layers`` through transport ``tr`` to the receiving process
+    ``rx``: times (sender open .. receiver's last layer copied) and per-phase parts.
+    ``after(sender)`` runs once the receiver is done (outside the timed span)."""
     times, parts = [], []
     try:
         for _ in range(repeats):
@@ -142,12 +152,25 @@ def _run_shm(meta, layers, repeats, verify):
                 sender.send_layer(i, a)
             sender.close()
             send_s = time.monotonic() - t0
-            done, copy_s = rx.wait()
+            done, rx_parts = rx.wait()
             times.append(done - t0)
-            parts.append({"send_s": send_s, "receive_copy_verify_s": copy_s})
+            if not isinstance(rx_parts, dict):
+                rx_parts = {"receive_copy_verify_s": rx_parts}
+            part = {"send_s": send_s, **rx_parts}
+            if after is not None:
+                t1 = time.monotonic()
+                after(sender)
+                part["after_s"] = time.monotonic() - t1
+            parts.append(part)
     finally:
         rx.close()
     return times, parts
+
+
+def _run_shm(meta, layers, repeats, verify):
+    from dlbatch.transfer.shm import ShmTransport
+
+    return run_to_child(ShmTransport(), ShmReceiverProcess(verify), meta, layers, repeats, verify)
 
 
 # ---------------------------------------------------------------- object store (Ray actor receives)
@@ -407,8 +430,16 @@ def bench_kv(
     from dlbatch.transfer.payload import make_meta
 
     for t in transports:
-        if t not in ("shm", "object_store"):
-            raise ValueError(f"bench_kv measures 'shm' and 'object_store'; got transport {t!r}")
+        if t not in BENCH_TRANSPORTS:
+            raise ValueError(f"bench_kv measures {BENCH_TRANSPORTS}; got transport {t!r}")
+    if "dlslime" in transports:
+        from dlbatch.transfer.dlslime_transport import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            from dlbatch.transfer.errors import TransportUnavailable
+
+            raise TransportUnavailable(f"bench kv --transports dlslime: {reason}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
     if overlap_rounds < 1:
@@ -448,8 +479,14 @@ def bench_kv(
             for t in transports:
                 # one more repeat than asked: the first pays first-touch page faults (fresh shm
                 # segment / destination), the rest run warm
-                ts, parts = (_run_shm(meta, layers, repeats + 1, verify) if t == "shm"
-                             else _run_object_store(meta, layers, repeats + 1, verify, sink))
+                if t == "shm":
+                    ts, parts = _run_shm(meta, layers, repeats + 1, verify)
+                elif t == "dlslime":
+                    from dlbatch.transfer.bench_dlslime import run_dlslime
+
+                    ts, parts = run_dlslime(meta, layers, repeats + 1, verify)
+                else:
+                    ts, parts = _run_object_store(meta, layers, repeats + 1, verify, sink)
                 gbps = _gbps(nbytes, statistics.median(ts[1:]))
                 row["transports"][t] = {
                     "median_gbps": gbps,
@@ -467,7 +504,8 @@ def bench_kv(
             result["sizes"][str(size)] = row
             del layers
         if overlap:
-            result["overlap"] = bench_overlap(overlap_model, overlap_tokens, transports, verify, sink, overlap_rounds)
+            streamed = [t for t in transports if t in ("shm", "object_store")]
+            result["overlap"] = bench_overlap(overlap_model, overlap_tokens, streamed, verify, sink, overlap_rounds)
     finally:
         if sink is not None:
             import ray
