@@ -253,6 +253,12 @@ class JobRunner:
         from dlbatch.engine.loader import model_dir
 
         via = spec.cluster.kv_transport
+        if via == "auto":  # RDT (NCCL) when both pools hold GPU tensors, else the object store
+            from dlbatch.transfer import rdt as rdt_mod
+
+            devs = [pools[r].device for r in ("prefill", "decode") if r in pools]
+            gpu = len(devs) == 2 and all(d.startswith("cuda") for d in devs)
+            via = "rdt" if gpu and rdt_mod.is_available(devs[0]) else "object_store"
         if "prefill" in pools and via in ("rdt", "dlslime", "shm"):
             from dlbatch.transfer.base import get_transport
 
@@ -264,7 +270,7 @@ class JobRunner:
                 get_transport(via, same_node=True, device=pools["prefill"].device, peer_device=pools["decode"].device)
             except Exception as e:
                 raise JobFailed(f"cluster.kv_transport={via!r} cannot run here: {e}") from None
-        self.kv_via = via if via != "auto" else "object_store"
+        self.kv_via = via
         model_dir(spec.model.name)  # convert a GGUF once, before workers race for it
         started = start_ray(spec.cluster.address, dict(chips))
         workers: dict[str, list] = {}
@@ -282,7 +288,7 @@ class JobRunner:
                 wspec = WorkerSpec(model=spec.model.name, dtype=spec.model.dtype, device=pool.device,
                                    max_model_len=spec.model.max_model_len, chat=spec.model.chat, num_threads=threads,
                                    max_num_batched_tokens=max(512, min(spec.batching.max_batch_tokens, 4096)),
-                                   kv_transport=spec.cluster.kv_transport)
+                                   kv_transport=self.kv_via)
                 opts = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources={chip_resource(pool.chip): 1},
                             max_restarts=MAX_RESTARTS, max_task_retries=0)
                 workers[role] = [cls.options(**opts).remote(wspec, **self.worker_options) for _ in range(pool.replicas)]
@@ -740,7 +746,7 @@ class JobRunner:
             "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
             "plan": self.plan or {"pools": [{"role": r, "chip": p.chip, "replicas": p.replicas}
                                             for r, p in self.spec.cluster.pools().items()]},
-            "pools": pools, "router": router or {},
+            "pools": pools, "kv_transport": self.kv_via if "prefill" in pools else None, "router": router or {},
             "retries": {"worker": self.retries, "io": retry_count() - self.io_retries_start},
             "timeline": self.timeline, "prompt_token_hist": list(prompt_hist), "output_token_hist": list(output_hist),
         }

@@ -66,7 +66,7 @@ def test_colocated_equals_pd_greedy_through_every_transport(ray_local, sample_mo
             continue  # e.g. dlslime not installed: tests/test_transfer_dlslime.py says why
         out = str(tmp_path / via)
         rep = _run("jobs/papers.yaml", out, ["input.limit=1", "model.dtype=float32", f"cluster.kv_transport={via}"])
-        assert set(rep["pools"]) == {"prefill", "decode"}
+        assert set(rep["pools"]) == {"prefill", "decode"} and rep["kv_transport"] == via
         assert {key(r): r["output"] for r in _rows(out)} == ref, via
 
 

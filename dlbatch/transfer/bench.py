@@ -571,6 +571,6 @@ def format_table(result: dict) -> str:
         for name, t in o["transports"].items():
             lines.append(
                 f"overlap {name}: transfer alone {t['transfer_alone_s']:.3f}s ({t['transfer_alone_gbps']:.2f} GB/s), "
-                f"exposed after the prefill {t['exposed_s']:.3f}s -> {t['hidden_fraction']:.0%} hidden; "
+                f"exposed after the prefill {t['exposed_s'] * 1e3:.1f} ms -> {t['hidden_fraction']:.0%} hidden; "
                 f"prefill while streaming {t['prefill_streaming_s']:.2f}s ({t['prefill_slowdown']:+.1%})")
     return "\n".join(lines)
