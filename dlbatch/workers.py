@@ -113,7 +113,8 @@ class EngineLoop:
         c = self.engine.mconf
         meta = make_meta(self.llm.fingerprint, dtype_name(self.engine.runner.kv_cache.dtype), c.num_layers,
                          num_tokens, c.num_kv_heads, c.head_dim)
-        return TransportSink(self.transport(self.kv_via).open_sender(meta))
+        tr = self.transport(self.kv_via)
+        return TransportSink(open=lambda: tr.open_sender(meta))  # buffers taken when the prefill runs
 
     def receive_kv(self, item: dict) -> dict:
         """Decode side, on the calling thread (not the engine's): pull a request's KV through
@@ -184,7 +185,11 @@ class EngineLoop:
                     if entry is None:
                         continue
                     fut, _ = entry
-                    fut.set_result(self._result(seq))
+                    try:
+                        fut.set_result(self._result(seq))
+                    except Exception as e:  # e.g. its KV could not be handed over: it fails alone
+                        self._drop_transfer(seq)
+                        fut.set_exception(e)
             except Exception as e:  # engine failure: fail every pending call, keep serving
                 log.exception("engine step failed")
                 self.error = e

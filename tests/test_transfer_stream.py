@@ -90,3 +90,32 @@ def test_sink_abort_frees_and_finish_times_out_clearly():
     sink.abort()
     with pytest.raises(TransferError, match="closed"):
         sink.sender.send_layer(1, P.tensor_to_numpy(layers[1]))
+
+
+def test_sink_opens_its_sender_only_when_the_first_layer_comes():
+    from dlbatch.transfer.errors import TruncatedPayload
+
+    layers = _layers(torch.float32)
+    meta = P.make_meta(FP, "float32", len(layers), *layers[0].shape[1:])
+    tr = get_transport("shm", same_node=True)
+    opened = []
+
+    def open_():
+        opened.append(1)
+        return tr.open_sender(meta)
+
+    sink = TransportSink(open=open_)
+    assert not opened  # a queued request holds no segment
+    for i, layer in enumerate(layers):
+        sink.send_layer(i, layer)
+    assert len(opened) == 1
+    rx = tr.open_receiver(sink.finish(timeout=10))
+    assert [a.tobytes() for _, a in rx.receive_layers(timeout=10)] == [P.tensor_to_numpy(t).tobytes() for t in layers]
+    rx.release()
+    never = TransportSink(open=open_)
+    with pytest.raises(TruncatedPayload, match="before any layer"):
+        never.finish(timeout=5)
+    never.abort()
+    assert len(opened) == 1
+    with pytest.raises(ValueError, match="not both"):
+        TransportSink(tr.open_sender(meta), open=open_)

@@ -22,13 +22,32 @@ from dlbatch.transfer.payload import KVMeta, tensor_to_numpy, torch_dtype
 
 
 class TransportSink:
-    def __init__(self, sender: KVSender, background: bool = True):
-        self.sender = sender
-        self.meta: KVMeta = sender.meta
+    """``TransportSink(sender)``, or ``TransportSink(open=lambda: transport.open_sender(meta))``
+    to open the sender only when the first layer comes (a prefill worker queues many
+    requests; their shm segments / buffers are taken when each one's prefill runs)."""
+
+    def __init__(self, sender: KVSender | None = None, background: bool = True, *, open=None):
+        if (sender is None) == (open is None):
+            raise ValueError("TransportSink needs a sender or an open() that makes one, not both")
+        self._sender = sender
+        self._open = open
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-stream") if background else None
         self._futures: list[Future] = []
         self._lock = threading.Lock()
-        self._lends = hasattr(sender, "layer_buffer")
+
+    @property
+    def sender(self) -> KVSender:
+        if self._sender is None:
+            self._sender = self._open()
+        return self._sender
+
+    @property
+    def meta(self) -> KVMeta:
+        return self.sender.meta
+
+    @property
+    def _lends(self) -> bool:
+        return hasattr(self.sender, "layer_buffer")
 
     def layer_buffer(self, i: int):
         """The sender's own memory for layer i as a torch tensor in the KV dtype, or None."""
@@ -54,6 +73,11 @@ class TransportSink:
 
     def finish(self, timeout: float = 60.0):
         """Wait until every layer was handed over; close the sender; return its handle."""
+        if self._sender is None:
+            from dlbatch.transfer.errors import TruncatedPayload
+
+            self.abort()
+            raise TruncatedPayload("the KV stream was finished before any layer was sent")
         deadline = Deadline(timeout, f"streaming {self.meta.num_layers} KV layers into the transport")
         try:
             for k, fut in enumerate(self._futures):
@@ -73,4 +97,5 @@ class TransportSink:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._futures.clear()
-        self.sender.abort()
+        if self._sender is not None:  # never opened: nothing to free
+            self._sender.abort()
