@@ -252,16 +252,13 @@ class JobRunner:
             chips[p.chip] += p.replicas
         from dlbatch.engine.loader import model_dir
 
+        from dlbatch.transfer.base import get_transport
+
         via = spec.cluster.kv_transport
-        if via == "auto":  # RDT (NCCL) when both pools hold GPU tensors, else the object store
-            from dlbatch.transfer import rdt as rdt_mod
-
-            devs = [pools[r].device for r in ("prefill", "decode") if r in pools]
-            gpu = len(devs) == 2 and all(d.startswith("cuda") for d in devs)
-            via = "rdt" if gpu and rdt_mod.is_available(devs[0]) else "object_store"
+        if via == "auto":  # rdt when both pools hold device tensors, else the object store
+            via = (get_transport("auto", device=pools["prefill"].device, peer_device=pools["decode"].device).name
+                   if "prefill" in pools else "object_store")
         if "prefill" in pools and via in ("rdt", "dlslime", "shm"):
-            from dlbatch.transfer.base import get_transport
-
             if via == "rdt" and pools["prefill"].device.split(":")[0] != pools["decode"].device.split(":")[0]:
                 raise JobFailed(f"cluster.kv_transport='rdt' needs the prefill and decode pools on the same kind of "
                                 f"device (one collective backend), got {pools['prefill'].device!r} and "
@@ -279,9 +276,9 @@ class JobRunner:
         self.needed_resources = {chip_resource(p.chip): role for role, p in pools.items()}
         try:
             self._wait_for_resources(time.time())
-            rdt = "prefill" in pools and self.kv_via == "rdt"
+            use_rdt = "prefill" in pools and self.kv_via == "rdt"
             for role, pool in pools.items():
-                cls = make_worker_class(role, tensor_transport=rdt)
+                cls = make_worker_class(role, tensor_transport=use_rdt)
                 threads = max(1, int(round(pool.num_cpus))) if pool.device == "cpu" else 1
                 if pool.device == "cpu" and len(pools) == 1:
                     threads = max(threads, min(2, os.cpu_count() or 1))
@@ -297,11 +294,11 @@ class JobRunner:
             # documents are parsed and tokenized while the workers load the model
             prefetch = BatchPrefetcher(get_pipeline(spec.pipeline).build(spec, files, skip_docs))
             self._wait_workers_up(workers)
-            if rdt:  # one collective group over every prefill and decode worker
-                from dlbatch.transfer import rdt as rdt_mod
+            if use_rdt:  # one collective group over every prefill and decode worker
+                from dlbatch.transfer import rdt
 
-                rdt_mod.create_group(workers["prefill"] + workers["decode"], device=pools["prefill"].device)
-                self.rdt_backend = rdt_mod.backend_for(pools["prefill"].device)
+                rdt.create_group(workers["prefill"] + workers["decode"], device=pools["prefill"].device)
+                self.rdt_backend = rdt.backend_for(pools["prefill"].device)
             return self._drive(store, prefetch, workers, t_start, sig)
         finally:
             if prefetch is not None:

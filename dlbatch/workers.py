@@ -124,10 +124,8 @@ class EngineLoop:
 
         kv, via = item.get("kv"), item.get("kv_via", "object_store")
         release = None
-        if isinstance(kv, KVPayload):  # carried inline
+        if isinstance(kv, KVPayload):  # carried inline (RDT: the tensors that came by the collective)
             payload = kv
-        elif via == "rdt":
-            payload = item["kv_payload"]
         else:
             rx = self.transport(via).open_receiver(kv)
             release = rx.release
@@ -344,7 +342,7 @@ class DecodeWorkerImpl(_WorkerBase):
                 else:
                     try:
                         meta, tensors = rdt.unpack(obj, expected_fingerprint=self.loop.llm.fingerprint)
-                        p = {**p, "kv_payload": KVPayload(meta, [tensor_to_numpy(t) for t in tensors])}
+                        p = {**p, "kv": KVPayload(meta, [tensor_to_numpy(t) for t in tensors])}
                     except Exception as e:
                         p = {"request_id": p["request_id"], "error": f"{type(e).__name__}: {e}"}
             joined.append(p)

@@ -177,10 +177,8 @@ class LLMEngine:
         for seq in finished:
             seq.finish_time = now
             if seq.prefill_only:
-                if seq.kv_sink is None:
+                if seq.kv_sink is None:  # with a sink, its layers went out during this step's forward
                     seq.kv_export = self.runner.export_kv(seq, len(seq.prompt_ids))
-                elif not seq.kv_streamed:  # e.g. admitted with the whole prompt in the prefix cache
-                    self.runner.stream_kv(seq, len(seq.prompt_ids))
                 if seq.generator is not None:
                     seq.generator_state = seq.generator.get_state()
         self.scheduler.free_finished(finished)

@@ -113,14 +113,14 @@ class LLM:
             self.engine.scheduler.add(s)
             self.engine.stats["prompt_tokens"] += len(s.prompt_ids)
 
-    def _step_until_done(self, n: int, use_tqdm: bool = False, desc: str = "generate") -> dict:
+    def _step_until_done(self, n: int, use_tqdm: bool = False) -> dict:
         """Step the engine until nothing is left; {id(seq): seq} of what finished. On an
         exception mid-run the engine is left clean (every request aborted)."""
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=n, desc=desc, unit="req")
+            bar = tqdm(total=n, desc="generate", unit="req")
         done = {}
         try:
             while self.engine.has_unfinished():

@@ -197,21 +197,11 @@ class ModelRunner:
         idx = self._export_index(seq, num_tokens)
         return [self.export_layer(idx, li) for li in range(self.mconf.num_layers)]
 
-    def stream_kv(self, seq, num_tokens: int) -> None:
-        """Every layer of a finished prefill to ``seq.kv_sink`` (when it was not streamed)."""
-        idx = self._export_index(seq, num_tokens)
-        for li in range(self.mconf.num_layers):
-            self._send(seq, idx, li)
-        seq.kv_streamed = True
-
     def _stream_layer(self, streams, li: int) -> None:
         for seq, idx in streams:
-            self._send(seq, idx, li)
-
-    def _send(self, seq, idx: torch.Tensor, li: int) -> None:
-        sink = seq.kv_sink
-        buf = sink.layer_buffer(li) if hasattr(sink, "layer_buffer") else None
-        sink.send_layer(li, self.export_layer(idx, li, buf))
+            sink = seq.kv_sink
+            buf = sink.layer_buffer(li) if hasattr(sink, "layer_buffer") else None
+            sink.send_layer(li, self.export_layer(idx, li, buf))
 
     def import_kv_layer(self, seq, layer: int, kv: torch.Tensor, start: int = 0) -> None:
         """Copy one layer's (2, n, Hkv, D) KV for token positions [start, n) into the

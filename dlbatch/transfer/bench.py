@@ -225,7 +225,7 @@ def _prewarm_object_store(sink, largest: int) -> dict:
     what a few of the largest payloads need when the store is much bigger. Timed, reported."""
     import ray
 
-    from dlbatch.transfer.object_store import prewarm, store_capacity
+    from dlbatch.transfer.object_store import PREWARM_CHUNK, prewarm, store_capacity
 
     cap = store_capacity()
     t0 = time.monotonic()
@@ -233,7 +233,7 @@ def _prewarm_object_store(sink, largest: int) -> dict:
     t1 = time.monotonic()
     ray.get(sink.touch.remote(refs), timeout=600)
     t2 = time.monotonic()
-    warmed = len(refs) * (64 << 20)
+    warmed = len(refs) * PREWARM_CHUNK
     del refs
     return {"store_bytes": cap, "bytes": warmed, "sender_s": t1 - t0, "receiver_s": t2 - t1}
 

@@ -50,6 +50,7 @@ from dlbatch.transfer.errors import SenderDied, TransferError, TruncatedPayload
 from dlbatch.transfer.payload import KVMeta, check_layer
 
 DEFAULT_MIN_OBJECT_BYTES = 64 << 20
+PREWARM_CHUNK = 64 << 20  # size of the zero objects prewarm() puts
 
 
 def default_min_object_bytes() -> int:
@@ -224,8 +225,6 @@ class ObjectStoreReceiver(KVReceiver):
             raise SenderDied(f"{what} (object {ref.hex()}) was lost from the object store: {e}") from e
         except RayError as e:
             raise TransferError(f"fetching {what} (object {ref.hex()}) failed: {e}") from e
-        if isinstance(got, np.ndarray):  # a single layer put by hand
-            got = [got]
         if not isinstance(got, list) or len(got) != n:
             raise TruncatedPayload(f"object {ref.hex()} should hold {n} KV layers from layer {first}, "
                                    f"holds {len(got) if isinstance(got, list) else type(got).__name__}")
@@ -317,7 +316,7 @@ def store_capacity() -> int:
     return int(ray.cluster_resources().get("object_store_memory", 0))
 
 
-def prewarm(nbytes: int | None = None, chunk: int = 64 << 20, keep: bool = False) -> list:
+def prewarm(nbytes: int | None = None, chunk: int = PREWARM_CHUNK, keep: bool = False) -> list:
     """Fault this process's mapping of the object store in: put zero objects covering
     ``nbytes`` (default: 70% of this node's store: Ray starts spilling objects to disk at
     80% full, and a spill running in the background slowed every later copy 20x here),
