@@ -220,6 +220,19 @@ class RDTDecode:
         return meta.dtype, [P.tensor_to_numpy(t).tobytes() for t in tensors]
 
 
+def _wait_dead(actor, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ready.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    raise AssertionError(f"actor still alive {timeout}s after ray.kill")
+
+
 def test_rdt_gloo_round_trip(ray_local):
     reason = rdt.unavailable_reason("cpu")
     if reason:
@@ -240,6 +253,9 @@ def test_rdt_gloo_round_trip(ray_local):
         handle = tr.export(pre.export_kv, "float32")
         ray.get(pre.ready.remote(), timeout=30)
         ray.kill(pre)
+        # ray.kill is asynchronous: a pull issued before the kill lands still succeeds (it
+        # did once in CI), so wait until the actor is seen dead before pulling
+        _wait_dead(pre)
         t0 = time.monotonic()
         with pytest.raises((SenderDied, ray.exceptions.RayError)):
             tr.wait(tr.deliver(dec.import_kv, handle, FP), timeout=30)
