@@ -128,6 +128,10 @@ class JobRunner:
         self.workers: dict[str, list] = {}  # role -> actor handles (tests: ping() gives pids)
         self.kv_via = "object_store"  # how prefill workers hand KV to decode workers (set per run)
         self.rdt_backend = None
+        self.rdt_group = None  # the collective group over every PD worker (kv_transport=rdt)
+        self.rdt_device = None
+        self.rdt_regroups = 0  # times the group was re-formed after a worker restart
+        self.worker_pids: dict = {}  # (role, idx) -> pid of the worker's process, from its pings
         self.inflight = 0  # batches in flight now (tests: kill a worker mid-batch)
         self.io_retries_start = 0
 
@@ -225,7 +229,8 @@ class JobRunner:
         """Every worker answers ping (model loaded); bounded by the stall timeout."""
         import ray
 
-        refs = [w.ping.remote() for ws in workers.values() for w in ws]
+        keys = [(role, i) for role, ws in workers.items() for i in range(len(ws))]
+        refs = [workers[role][i].ping.remote() for role, i in keys]
         deadline = time.time() + max(600.0, self.resource_timeout_s)
         pending = list(refs)
         missing_since = None
@@ -237,7 +242,8 @@ class JobRunner:
                 raise JobFailed(self._no_resource_message(missing))
             if time.time() > deadline:
                 raise JobFailed(f"{len(pending)} workers did not start within {max(600.0, self.resource_timeout_s):.0f} s")
-        ray.get(refs, timeout=60)  # raises if a worker failed to start
+        infos = ray.get(refs, timeout=60)  # raises if a worker failed to start
+        self.worker_pids = {k: info.get("pid") for k, info in zip(keys, infos)}
 
     def _run_pools(self, store, files, skip_docs, t_start, sig) -> dict:
         import ray
@@ -297,8 +303,9 @@ class JobRunner:
             if use_rdt:  # one collective group over every prefill and decode worker
                 from dlbatch.transfer import rdt
 
-                rdt.create_group(workers["prefill"] + workers["decode"], device=pools["prefill"].device)
-                self.rdt_backend = rdt.backend_for(pools["prefill"].device)
+                self.rdt_device = pools["prefill"].device
+                self.rdt_group = rdt.create_group(workers["prefill"] + workers["decode"], device=self.rdt_device)
+                self.rdt_backend = rdt.backend_for(self.rdt_device)
             return self._drive(store, prefetch, workers, t_start, sig)
         finally:
             if prefetch is not None:
@@ -344,6 +351,10 @@ class JobRunner:
         # workers that failed a call: nothing is sent to them until a ping answers again (a call to
         # a restarting actor fails at once, and must not count as an attempt of a document)
         unhealthy: dict[tuple, dict] = {}  # (role, idx) -> {"since", "probe", "next"}
+        # kv_transport=rdt: a worker Ray restarted is a new process outside the collective
+        # group; nothing is submitted until the group is re-formed, which waits for the
+        # batches in flight to end (re-forming tears down every member's communicator)
+        regroup: dict = {"needed": False, "next": 0.0, "why": ""}
         dec_load = [0] * len(decoders)
         commit_rows: list[dict] = []
         commit_docs = 0
@@ -394,7 +405,39 @@ class JobRunner:
             return [i for i in live(role, n) if (role, i) not in unhealthy]
 
         def can_submit() -> bool:
+            if regroup["needed"]:
+                return False
             return bool(available(front_role, len(front))) and (not pd or bool(available("decode", len(decoders))))
+
+        def reform_rdt_group():
+            """Re-form the RDT group over the live workers once nothing is in flight."""
+            if not regroup["needed"] or inflight or unhealthy or time.time() < regroup["next"]:
+                return
+            from dlbatch.transfer import rdt
+
+            members = [workers[role][i] for role in ("prefill", "decode") for i in live(role, len(workers[role]))]
+            t0 = time.time()
+            if self.rdt_group is not None:
+                try:
+                    rdt.destroy_group(self.rdt_group)
+                except Exception as e:  # a member that is gone or never joined: the group is dropped anyway
+                    log.warning("destroying the RDT group: %s", str(e).splitlines()[0][:200])
+                self.rdt_group = None
+            try:
+                ray.get([m.reset_collective.remote() for m in members], timeout=60)
+            except Exception as e:  # a member died meanwhile: the create below fails and is retried
+                log.warning("resetting the RDT members: %s", str(e).splitlines()[0][:200])
+            try:
+                self.rdt_group = rdt.create_group(members, device=self.rdt_device)
+            except Exception as e:  # a member died meanwhile: its crash is noted, and we try again
+                regroup["next"] = time.time() + 1.0
+                log.warning("re-forming the RDT group over %d workers failed, retrying: %s", len(members),
+                            str(e).splitlines()[0][:200])
+                return
+            regroup["needed"] = False
+            self.rdt_regroups += 1
+            log.info("re-formed the RDT collective group over %d workers in %.1f s (%s)", len(members),
+                     time.time() - t0, regroup["why"])
 
         def submit(items, front_idx, quarantine=False):
             lf = available(front_role, len(front))
@@ -530,7 +573,7 @@ class JobRunner:
                 if not done_:
                     continue
                 try:
-                    ray.get(h["probe"], timeout=10)
+                    info = ray.get(h["probe"], timeout=10)
                 except Exception as e:  # still restarting, or dead for good
                     h["probe"], h["next"] = None, time.time() + 1.0
                     if _actor_state(workers[role][idx]) == "DEAD":
@@ -541,6 +584,12 @@ class JobRunner:
                     continue
                 unhealthy.pop(key, None)
                 log.info("%s worker %d is back after %.1f s", role, idx, time.time() - h["since"])
+                pid = info.get("pid") if isinstance(info, dict) else None
+                if pid != self.worker_pids.get(key):  # Ray restarted it: a new process
+                    self.worker_pids[key] = pid
+                    if self.kv_via == "rdt" and pd:
+                        regroup["needed"] = True
+                        regroup["why"] = f"{role} worker {idx} restarted"
 
         def collect_done():
             nonlocal commit_docs, new_ok, prompt_tokens, output_tokens
@@ -625,6 +674,7 @@ class JobRunner:
                         doc.rows.append(r)
                         ready.append(r)
                 check_health()
+                reform_rdt_group()
                 if suspects:
                     if not inflight and can_submit():
                         run_suspect()
@@ -637,8 +687,8 @@ class JobRunner:
                 if not inflight:
                     if exhausted and not ready and not suspects and not routed:
                         break
-                    if unhealthy:
-                        time.sleep(0.1)  # waiting for a worker to come back
+                    if unhealthy or regroup["needed"]:
+                        time.sleep(0.1)  # waiting for a worker to come back, or to re-form the RDT group
                     continue
                 done, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)
                 for ref in done:
@@ -743,7 +793,8 @@ class JobRunner:
             "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
             "plan": self.plan or {"pools": [{"role": r, "chip": p.chip, "replicas": p.replicas}
                                             for r, p in self.spec.cluster.pools().items()]},
-            "pools": pools, "kv_transport": self.kv_via if "prefill" in pools else None, "router": router or {},
+            "pools": pools, "kv_transport": self.kv_via if "prefill" in pools else None,
+            "rdt_regroups": self.rdt_regroups, "router": router or {},
             "retries": {"worker": self.retries, "io": retry_count() - self.io_retries_start},
             "timeline": self.timeline, "prompt_token_hist": list(prompt_hist), "output_token_hist": list(output_hist),
         }

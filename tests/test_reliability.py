@@ -174,7 +174,11 @@ def _wait_first_commit(proc, out, timeout):
 @pytest.mark.slow
 @pytest.mark.ray
 def test_driver_kill9_at_random_points_then_resume_exactly_once(ray_local, sample_model, tmp_path, raytmp):
-    job, extra = "jobs/papers.yaml", ["input.limit=2", *SEQ]
+    # fp32: rows are compared for equality with the uninterrupted run. A resumed run computes
+    # under another batch and prefix-cache state (the reference reused the first document's
+    # template blocks), and in bf16 that flipped a near-tie greedy token (one 'question' row
+    # at token 4, 3 runs in 3); the engine's exactness claims are fp32 ones
+    job, extra = "jobs/papers.yaml", ["input.limit=2", "model.dtype=float32", *SEQ]
     base = str(tmp_path / "base")
     _run(job, base, extra)  # the uninterrupted reference, greedy
     ref = _canon(_rows(base))
@@ -322,11 +326,17 @@ def _run_in_thread(runner):
 
 
 @pytest.mark.ray
-def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path):
+@pytest.mark.parametrize("via", ["auto", "rdt"])
+def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path, via):
+    """rdt: the restarted prefill worker is a new process outside the collective group; the
+    runner re-forms the group once nothing is in flight, and the job completes."""
     from dlbatch.runner import JobRunner
+    from dlbatch.transfer import rdt
 
+    if via == "rdt" and rdt.unavailable_reason("cpu"):
+        pytest.skip(rdt.unavailable_reason("cpu"))
     out = str(tmp_path / "out")
-    spec = load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, "input.limit=2"])
+    spec = load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, "input.limit=2", f"cluster.kv_transport={via}"])
     runner = JobRunner(spec, progress=False)
     t, box = _run_in_thread(runner)
     deadline = time.time() + 400
@@ -347,6 +357,8 @@ def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path)
     assert not t.is_alive() and "error" not in box, box
     rep = box["report"]
     assert rep["retries"]["worker"] >= 2 and rep["docs_ok"] == 2 and rep["docs_failed"] == 0
+    assert rep["kv_transport"] == ("rdt" if via == "rdt" else "object_store")
+    assert rep["rdt_regroups"] == (1 if via == "rdt" else 0)
     rows = _rows(out)
     assert len(rows) == 6 and len({(r["doc_id"], r["task"]) for r in rows}) == 6
 
