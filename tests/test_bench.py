@@ -149,7 +149,7 @@ def test_bench_kv_small(ray_local, tmp_path):
         r = row["transports"][name]
         assert r["median_gbps"] > 0 and _close(r["ratio_to_memcpy"], r["median_gbps"] / base)
         assert len(r["times_s"]) == 2
-    assert row["ray_put_alone_gbps"] > 0
+    assert row["ray_put_alone_gbps"] > 0 and row["receive_alone_gbps"] > 0
     o = res["overlap"]
     assert o["tokens"] == 200 and o["kv_bytes"] > 0
     for name in ("shm", "object_store"):

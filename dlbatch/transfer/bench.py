@@ -6,7 +6,8 @@ goes sender -> receiver in another process and is copied into a destination tens
 transfer to the receiver's last copy; medians over ``repeats``. Baselines in the same
 run: plain memcpy (``numpy.copyto``: one thread, glibc memcpy) -- the target's
 reference -- and the all-cores copy (``torch`` ``copy_``); for the object store also
-``ray.put`` alone, the object store's own ceiling.
+each half on its own: ``ray.put`` alone (the sender's puts, nobody receiving) and the
+receive alone (the receiver's fetch + verified copy of objects put beforehand).
 
 Overlap: a real prefill on the engine (the bundled model by default, 8K tokens, one
 chunk) with its KV streamed out of the forward layer by layer (``LLM.prefill(...,
@@ -296,6 +297,32 @@ def _ray_put_alone(meta, layers, repeats, verify) -> float:
     return _gbps(meta.nbytes, statistics.median(ts[1:]))
 
 
+def _receive_alone(meta, layers, repeats, verify, sink) -> float:
+    """GB/s of the object store's other half: the sink actor fetching, verifying and copying
+    objects that are all in the store already (put beforehand, not timed) -- with
+    ``ray.put alone`` it shows what each half reaches when it has the cores to itself."""
+    import ray
+
+    from dlbatch.transfer.object_store import ObjectStoreTransport
+
+    tr = ObjectStoreTransport()
+    ts = []
+    for _ in range(repeats + 1):
+        objs: list = []
+        sender = tr.open_sender(meta, verify=verify, on_object=lambda first, ref, csums: objs.append((first, ref, csums)))
+        for i, a in enumerate(layers):
+            sender.send_layer(i, a)
+        handle = sender.close(timeout=300)
+        ray.get(sink.begin.remote(meta, verify), timeout=60)
+        t0 = time.monotonic()
+        takes = [sink.take.remote(first, [ref], csums) for first, ref, csums in objs]
+        done, _ = ray.get(takes[-1], timeout=600)
+        ray.get(takes, timeout=600)
+        ts.append(done - t0)
+        del handle, sender, objs, takes
+    return _gbps(meta.nbytes, statistics.median(ts[1:]))
+
+
 def _checksum_speed(layer: np.ndarray) -> dict:
     """GB/s of each checksum over one layer (the per-layer cost on each side with verify)."""
     from dlbatch.transfer.payload import CHECKSUM_ALGOS, checksum
@@ -476,6 +503,7 @@ def bench_kv(
             par = row["memcpy_gbps"]["torch_copy_"]
             if "object_store" in transports:
                 row["ray_put_alone_gbps"] = _ray_put_alone(meta, layers, repeats, verify)
+                row["receive_alone_gbps"] = _receive_alone(meta, layers, repeats, verify, sink)
             for t in transports:
                 # one more repeat than asked: the first pays first-touch page faults (fresh shm
                 # segment / destination), the rest run warm
@@ -548,6 +576,10 @@ def format_table(result: dict) -> str:
             g = row["ray_put_alone_gbps"]
             lines.append(f"{size:>8} {'ray.put alone':<16} {g:7.2f} {g / row['memcpy_gbps']['numpy_copyto']:9.2f}"
                          f"{'':>22}  (the object store's own ceiling: the sender's puts, nobody receiving)")
+        if "receive_alone_gbps" in row:
+            g = row["receive_alone_gbps"]
+            lines.append(f"{size:>8} {'receive alone':<16} {g:7.2f} {g / row['memcpy_gbps']['numpy_copyto']:9.2f}"
+                         f"{'':>22}  (the other half: the receiver's get + verified copy of objects already put)")
         for name, r in row["transports"].items():
             parts = " ".join(f"{k}={v:.3f}" for k, v in r.get("breakdown_s", {}).items())
             lines.append(
