@@ -417,18 +417,9 @@ class JobRunner:
 
             members = [workers[role][i] for role in ("prefill", "decode") for i in live(role, len(workers[role]))]
             t0 = time.time()
-            if self.rdt_group is not None:
-                try:
-                    rdt.destroy_group(self.rdt_group)
-                except Exception as e:  # a member that is gone or never joined: the group is dropped anyway
-                    log.warning("destroying the RDT group: %s", str(e).splitlines()[0][:200])
-                self.rdt_group = None
+            old, self.rdt_group = self.rdt_group, None
             try:
-                ray.get([m.reset_collective.remote() for m in members], timeout=60)
-            except Exception as e:  # a member died meanwhile: the create below fails and is retried
-                log.warning("resetting the RDT members: %s", str(e).splitlines()[0][:200])
-            try:
-                self.rdt_group = rdt.create_group(members, device=self.rdt_device)
+                self.rdt_group = rdt.reform_group(old, members, device=self.rdt_device)
             except Exception as e:  # a member died meanwhile: its crash is noted, and we try again
                 regroup["next"] = time.time() + 1.0
                 log.warning("re-forming the RDT group over %d workers failed, retrying: %s", len(members),
@@ -584,7 +575,7 @@ class JobRunner:
                     continue
                 unhealthy.pop(key, None)
                 log.info("%s worker %d is back after %.1f s", role, idx, time.time() - h["since"])
-                pid = info.get("pid") if isinstance(info, dict) else None
+                pid = info["pid"]
                 if pid != self.worker_pids.get(key):  # Ray restarted it: a new process
                     self.worker_pids[key] = pid
                     if self.kv_via == "rdt" and pd:

@@ -297,20 +297,6 @@ class _WorkerBase:
     def ping(self) -> dict:
         return {"pid": os.getpid(), "role": self.ROLE, "fingerprint": self.loop.llm.fingerprint}
 
-    def reset_collective(self) -> bool:
-        """kv_transport=rdt, when the group is re-formed after a peer restarted: drop this
-        process's torch.distributed default group. Ray's gloo groups are subgroups of it, and
-        its store lived in the old rank 0's process, so a new group could not form while it
-        stays. True when there was one."""
-        try:
-            import torch.distributed as dist
-        except ImportError:
-            return False
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-            return True
-        return False
-
     def stats(self) -> dict:
         return self.loop.stats()
 

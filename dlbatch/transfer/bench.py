@@ -279,21 +279,25 @@ def _run_object_store(meta, layers, repeats, verify, sink):
     return times, parts
 
 
+def _put_all(meta, layers, verify, on_object=None):
+    """Every layer through an object-store sender, waited for; returns its handle."""
+    from dlbatch.transfer.object_store import ObjectStoreTransport
+
+    sender = ObjectStoreTransport().open_sender(meta, verify=verify, on_object=on_object)
+    for i, a in enumerate(layers):
+        sender.send_layer(i, a)
+    return sender.close(timeout=300)
+
+
 def _ray_put_alone(meta, layers, repeats, verify) -> float:
     """GB/s of the object store's own half: the sender's puts (same objects, same
     checksums) with nobody receiving -- the ceiling of the object_store transport here."""
-    from dlbatch.transfer.object_store import ObjectStoreTransport
-
-    tr = ObjectStoreTransport()
     ts = []
     for _ in range(repeats + 1):
         t0 = time.monotonic()
-        sender = tr.open_sender(meta, verify=verify)
-        for i, a in enumerate(layers):
-            sender.send_layer(i, a)
-        handle = sender.close(timeout=300)
+        handle = _put_all(meta, layers, verify)
         ts.append(time.monotonic() - t0)
-        del handle, sender
+        del handle
     return _gbps(meta.nbytes, statistics.median(ts[1:]))
 
 
@@ -303,23 +307,18 @@ def _receive_alone(meta, layers, repeats, verify, sink) -> float:
     ``ray.put alone`` it shows what each half reaches when it has the cores to itself."""
     import ray
 
-    from dlbatch.transfer.object_store import ObjectStoreTransport
-
-    tr = ObjectStoreTransport()
     ts = []
     for _ in range(repeats + 1):
-        objs: list = []
-        sender = tr.open_sender(meta, verify=verify, on_object=lambda first, ref, csums: objs.append((first, ref, csums)))
-        for i, a in enumerate(layers):
-            sender.send_layer(i, a)
-        handle = sender.close(timeout=300)
+        objs = []
+        handle = _put_all(meta, layers, verify, on_object=lambda first, ref, csums: objs.append((first, ref, csums)))
         ray.get(sink.begin.remote(meta, verify), timeout=60)
         t0 = time.monotonic()
         takes = [sink.take.remote(first, [ref], csums) for first, ref, csums in objs]
         done, _ = ray.get(takes[-1], timeout=600)
         ray.get(takes, timeout=600)
         ts.append(done - t0)
-        del handle, sender, objs, takes
+        del handle, takes
+        objs.clear()  # frees the objects before the next repeat puts its own
     return _gbps(meta.nbytes, statistics.median(ts[1:]))
 
 

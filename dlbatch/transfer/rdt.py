@@ -90,6 +90,40 @@ def destroy_group(group) -> None:
     destroy_collective_group(group)
 
 
+def _reset_default_group(actor_self) -> bool:
+    """Runs inside a member (``__ray_call__``): drop its torch.distributed default group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        return True
+    return False
+
+
+def reform_group(group, actors: list, device: str = "cpu", timeout: float = 60.0):
+    """A new group over ``actors`` after one of them was restarted (a new process outside
+    ``group``): destroy ``group`` (a member that is gone or never joined is tolerated), drop
+    every member's torch.distributed default group -- Ray's gloo groups are subgroups of it
+    and its store lived in the old rank 0's process, so without this the next group fails
+    to form ("Broken pipe") -- and create the group again. Raises when the create fails
+    (e.g. a member died meanwhile); the caller retries."""
+    import logging
+
+    import ray
+
+    log = logging.getLogger(__name__)
+    if group is not None:
+        try:
+            destroy_group(group)
+        except Exception as e:  # the group is dropped from Ray's registry either way
+            log.warning("destroying the RDT group: %s", str(e).splitlines()[0][:200])
+    try:
+        ray.get([a.__ray_call__.remote(_reset_default_group) for a in actors], timeout=timeout)
+    except Exception as e:  # a member died meanwhile: the create below fails and is retried
+        log.warning("resetting the RDT members: %s", str(e).splitlines()[0][:200])
+    return create_group(actors, device=device)
+
+
 def pack(meta: KVMeta, tensors: list) -> dict:
     """What the sender's RDT method returns: the meta (JSON) and the per-layer tensors."""
     meta = meta.without_checksums()
