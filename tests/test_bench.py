@@ -157,3 +157,6 @@ def test_bench_kv_small(ray_local, tmp_path):
         assert 0.0 <= t["hidden_fraction"] <= 1.0 and t["transfer_alone_s"] > 0
         assert _close(t["hidden_fraction"], max(0.0, 1 - t["exposed_s"] / t["transfer_alone_s"]))
     assert {t["transport"] for t in res["targets"] if "transport" in t} == {"shm", "object_store"}
+    (os_t,) = [t for t in res["targets"] if t.get("transport") == "object_store"]
+    assert _close(os_t["ceiling_ray_put_alone"], row["ray_put_alone_gbps"] / base)
+    assert os_t["ceiling_below_target"] == (os_t["ceiling_ray_put_alone"] < 0.7)
