@@ -19,6 +19,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from dlbatch.transfer.errors import brief
+
 log = logging.getLogger("dlbatch.run")
 
 
@@ -423,7 +425,7 @@ class JobRunner:
             except Exception as e:  # a member died meanwhile: its crash is noted, and we try again
                 regroup["next"] = time.time() + 1.0
                 log.warning("re-forming the RDT group over %d workers failed, retrying: %s", len(members),
-                            str(e).splitlines()[0][:200])
+                            brief(e))
                 return
             regroup["needed"] = False
             self.rdt_regroups += 1
@@ -571,7 +573,7 @@ class JobRunner:
                         dead[role].add(idx)
                         unhealthy.pop(key, None)
                         log.error("%s worker %d is dead and will not be restarted: %s", role, idx,
-                                  str(e).splitlines()[0][:200])
+                                  brief(e))
                     continue
                 unhealthy.pop(key, None)
                 log.info("%s worker %d is back after %.1f s", role, idx, time.time() - h["since"])
@@ -694,7 +696,7 @@ class JobRunner:
                         note_crash(front_role, fi)
                         if pd:
                             note_crash("decode", di)
-                        fail_items(items, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", "WorkerCrash")
+                        fail_items(items, f"{type(e).__name__}: {brief(e, 300)}", "WorkerCrash")
                         continue
                     bad = [r for r in results if "error" in r]
                     for r in results:

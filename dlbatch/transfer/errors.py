@@ -7,6 +7,13 @@ what was waited for) so a worker log line is enough to act on.
 from __future__ import annotations
 
 
+def brief(e: BaseException, limit: int = 200) -> str:
+    """The first line of an error's message (at most ``limit`` characters) for a log line;
+    the type's name when the message is empty."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
 class TransferError(Exception):
     """Base class of every error raised by ``dlbatch.transfer``."""
 

@@ -22,12 +22,15 @@ No checksums: the tensors never leave device memory on the way.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from dlbatch.transfer.base import Deadline, Transport
-from dlbatch.transfer.errors import LayoutMismatch, SenderDied, TransferError, TruncatedPayload
+from dlbatch.transfer.errors import LayoutMismatch, SenderDied, TransferError, TruncatedPayload, brief
 from dlbatch.transfer.payload import KVMeta, dtype_name, validate  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 
 def backend_for(device: str) -> str:
@@ -107,20 +110,17 @@ def reform_group(group, actors: list, device: str = "cpu", timeout: float = 60.0
     and its store lived in the old rank 0's process, so without this the next group fails
     to form ("Broken pipe") -- and create the group again. Raises when the create fails
     (e.g. a member died meanwhile); the caller retries."""
-    import logging
-
     import ray
 
-    log = logging.getLogger(__name__)
     if group is not None:
         try:
             destroy_group(group)
         except Exception as e:  # the group is dropped from Ray's registry either way
-            log.warning("destroying the RDT group: %s", str(e).splitlines()[0][:200])
+            log.warning("destroying the RDT group: %s", brief(e))
     try:
         ray.get([a.__ray_call__.remote(_reset_default_group) for a in actors], timeout=timeout)
     except Exception as e:  # a member died meanwhile: the create below fails and is retried
-        log.warning("resetting the RDT members: %s", str(e).splitlines()[0][:200])
+        log.warning("resetting the RDT members: %s", brief(e))
     return create_group(actors, device=device)
 
 
