@@ -25,7 +25,7 @@ test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-all: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
