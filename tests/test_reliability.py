@@ -185,7 +185,9 @@ def test_driver_kill9_at_random_points_then_resume_exactly_once(ray_local, sampl
     assert len(ref) == 6
 
     out = str(tmp_path / "out")
-    rng = random.Random(int(os.environ.get("DLBATCH_TEST_SEED", time.time())))
+    seed = int(os.environ.get("DLBATCH_TEST_SEED", time.time_ns() % 1_000_000))
+    print(f"driver kill seed: {seed} (rerun with DLBATCH_TEST_SEED={seed})")
+    rng = random.Random(seed)
     kills = []
     for i in range(3):
         for attempt in range(3):  # a run that dies on its own (Ray start-up timed out on a busy machine) is redone
