@@ -57,6 +57,9 @@ class Document:
     sites: set = field(default_factory=set)  # failure sites of the batches it was lost in
     failed_on: set = field(default_factory=set)  # worker keys of those batches
     solo_failed_on: set = field(default_factory=set)
+    # only batches submitted after its last failure add evidence: the batches of one
+    # document lost together (a node loss taking two workers) are one piece of evidence
+    evidence_after: int = 0
     suspect: bool = False
     attempts: int = 0  # charged failures: only solo runs of a suspect
     last_error: str = ""
@@ -147,6 +150,10 @@ class InflightTable:
 
     def new_id(self) -> int:
         self._next += 1
+        return self._next
+
+    @property
+    def last_id(self) -> int:
         return self._next
 
     def add(self, b: Batch) -> None:
@@ -522,11 +529,14 @@ class Dispatcher:
             if b.solo == d_id:
                 self._charge(doc, b, reason, etype)
                 continue
-            self.stats["requeued"] += 1
-            # an engine error leaves the worker up (same epoch): each such batch is its own site
-            doc.sites.add(b.site if etype != "EngineError" else b.site | {("batch", b.id, 0)})
             doc.failed_on.update(b.workers)
-            if not doc.suspect and self.policy.is_suspect(len(doc.sites)):
+            if b.id > doc.evidence_after:  # not a batch lost together with an earlier one
+                self.stats["requeued"] += 1
+                # an engine error leaves the worker up (same epoch): each such batch is its own site
+                doc.sites.add(b.site if etype != "EngineError" else b.site | {("batch", b.id, 0)})
+                doc.evidence_after = self.inflight.last_id
+            others = any(len(self.workers.live(k[0])) > 1 for k in b.workers)
+            if not doc.suspect and self.policy.is_suspect(len(doc.sites), other_workers=others):
                 doc.suspect = True
                 self.stats["suspects"] += 1
             if doc.suspect:

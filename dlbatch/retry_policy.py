@@ -10,9 +10,11 @@ healthy and were merely present. The policy therefore charges the failure to the
   failure. Every batch lost in one crash (a node loss takes many at once) shares one
   site, so a node loss is one piece of evidence, however many batches it took.
 - A document becomes a *suspect* when it has been in failed batches at
-  `suspect_after_sites` (2) different sites: two different workers, or the same worker
-  before and after a restart when no other can serve it. A suspect is run alone on a
-  drained worker (nothing else in flight there), so its next failure is its own.
+  `suspect_after_sites` (2) different sites (two different workers, or one worker before
+  and after a restart), or at one site when its batch ran on the only live worker of
+  every role it used (no other worker could tell it from a worker fault). A suspect is
+  run alone on a drained worker (nothing else in flight there), so its next failure is
+  its own.
 - Only a suspect's failures while run alone are *charged*; after `max_attempts` charged
   failures the document is dead-lettered. A healthy document in a lost batch is
   requeued and never charged: a worker or node loss costs it a rerun, not an attempt.
@@ -41,9 +43,12 @@ class RetryPolicy:
         if self.suspect_after_sites < 1:
             raise ValueError(f"suspect_after_sites must be >= 1, got {self.suspect_after_sites!r}")
 
-    def is_suspect(self, n_sites: int) -> bool:
-        """A document seen in failures at `n_sites` distinct sites is to be run alone."""
-        return n_sites >= self.suspect_after_sites
+    def is_suspect(self, n_sites: int, other_workers: bool = True) -> bool:
+        """A document seen in failures at `n_sites` distinct sites is to be run alone. With no
+        other worker to retry it on (one live worker per role), a second site could only come
+        from the same worker crashing again: one is enough, or a poison document would use up
+        two of that worker's restarts before its first charged attempt."""
+        return n_sites >= (self.suspect_after_sites if other_workers else 1)
 
     def dead(self, attempts: int) -> bool:
         """A suspect that failed alone `attempts` times is dead-lettered."""

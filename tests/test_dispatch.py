@@ -2,6 +2,8 @@
 crash, lose a node, or return engine errors. Counts are exact where the scenario fixes them."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from dlbatch.commit_buffer import CommitBuffer
@@ -21,7 +23,7 @@ class Clock:
 
 
 def rows_of(doc: str, n_tokens: int = 20, text_id: int | None = None):
-    base = (text_id if text_id is not None else abs(hash(doc)) % 1000) * 50 + 10
+    base = (text_id if text_id is not None else zlib.crc32(doc.encode()) % 1_000_000) * 50 + 10
     out = []
     for j, t in enumerate(TASKS):
         out.append({"doc_id": doc, "task": t, "source": f"{doc}.txt", "prompt_ids": [base + k for k in range(n_tokens)]
@@ -165,7 +167,7 @@ def test_node_loss_with_many_batches_in_flight_charges_nobody():
     sim.submit()
     on_lost = [b for b in sim.inflight.values() if b.front[1] in (0, 1)]
     assert len(on_lost) >= 6  # many batches in flight on the two workers of the lost node
-    lost_docs = {r["doc_id"] for b in on_lost for r in b.rows}
+    lost_docs = {r["doc_id"] for b in on_lost for r in b.all_rows()}
     for b in on_lost:  # the node goes: every batch on workers 0 and 1 fails at once
         sim.inflight.pop(b.id)
         d.batch_failed(b.id, "ActorDiedError: node lost", "WorkerCrash")
@@ -176,7 +178,7 @@ def test_node_loss_with_many_batches_in_flight_charges_nobody():
     sim.run()
     assert sorted(doc.doc_id for doc in sim.completed) == names and sim.dead == []
     assert d.stats["attempts_charged"] == 0 and d.stats["suspects"] == 0
-    assert d.stats["requeued"] == len(lost_docs)
+    assert d.stats["requeued"] == len(lost_docs), (d.stats, len(lost_docs), sorted(lost_docs))
     assert all(doc.attempts == 0 for doc in sim.completed)
     # while the node was down, the surviving worker ran the requeued documents
     during = [b for s, b in sim.submitted if 1 <= s < 4]
@@ -324,3 +326,43 @@ def test_retry_policy_validates_and_backs_off():
     assert not p.is_suspect(1) and p.is_suspect(2) and p.dead(3) and not p.dead(2)
     with pytest.raises(ValueError, match="max_attempts"):
         RetryPolicy(max_attempts=0)
+
+
+def test_hung_input_source_fails_naming_what_it_waited_for(tmp_path):
+    """The driver idles on an input pipeline that yields nothing: bounded by input_timeout_s."""
+    import time
+
+    from dlbatch.checkpoint import OutputStore
+    from dlbatch.jobspec import load_job
+    from dlbatch.runner import JobFailed, JobRunner
+
+    class HungStream:  # a BatchPrefetcher whose Ray Data stream never produces a batch
+        def get(self, timeout=0.0):
+            time.sleep(timeout)
+            return None
+
+    out = str(tmp_path / "out")
+    runner = JobRunner(load_job("jobs/papers_jsonl.yaml", [f"output.path={out}"]), progress=False,
+                       input_timeout_s=1.0)
+    t0 = time.time()
+    with pytest.raises(JobFailed, match=r"no document came from the input pipeline \(list/parse/tokenize") as e:
+        runner._drive(OutputStore(out), HungStream(), {"colocated": [None]}, t0, "sig")
+    assert "input_timeout 1 s" in str(e.value) and "Ray Data stages may be waiting for CPUs" in str(e.value)
+    assert "intact" in str(e.value) and time.time() - t0 < 10
+
+
+def test_single_worker_pool_poison_costs_one_crash_before_its_charged_attempts():
+    """One worker: no second worker can tell poison from a worker fault, so the documents of
+    the first lost batch run alone at once; poison crashes the worker 1 + max_attempts times
+    (within Ray's max_restarts=4), the others complete uncharged."""
+    clock = Clock()
+    d = make({"prefill": 1, "decode": 1}, clock, max_batch_tokens=1000)
+    names = ["a", "poison", "b", "c"]
+    add_docs(d, names)
+    sim = Sim(d, clock, crashes=lambda b: any(r["doc_id"] == "poison" for r in b.rows))
+    sim.run()
+    assert [e["doc_id"] for e in sim.dead] == ["poison"] and "failed on all 3 attempts" in sim.dead[0]["error"]
+    assert sorted(x.doc_id for x in sim.completed) == ["a", "b", "c"] and all(x.attempts == 0 for x in sim.completed)
+    assert d.workers[("prefill", 0)].failures == 4 and d.stats["attempts_charged"] == 3
+    solo = [b for _, b in sim.submitted if b.solo]
+    assert all(b.decode == ("decode", 0) for b in solo) and len([b for b in solo if b.solo == "poison"]) == 3
