@@ -379,8 +379,9 @@ class Dispatcher:
         for k in iso.workers:
             self.workers[k].reserved_for = doc.doc_id
         self.isolations[doc.doc_id] = iso
-        log.warning("document %s is a suspect (in failed batches on %d different workers): it runs alone on %s",
-                    doc.doc_id, len(doc.sites), " + ".join(f"{r} worker {i}" for r, i in iso.workers))
+        log.warning("retrying document %s alone on %s: a suspect (in batches lost at %d failure sites; %d of %d "
+                    "attempts charged)", doc.doc_id, " + ".join(f"{r} worker {i}" for r, i in iso.workers),
+                    len(doc.sites), doc.attempts, self.policy.max_attempts)
         return iso
 
     def _release(self, d_id: str) -> None:
