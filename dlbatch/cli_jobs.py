@@ -24,6 +24,9 @@ def register(sub) -> None:
                    help="fail when no node provides a pool's chip for S seconds (default 120)")
     p.add_argument("--stall-timeout", type=float, default=1800.0, metavar="S",
                    help="fail when no batch returns for S seconds while some are in flight (default 1800)")
+    p.add_argument("--input-timeout", type=float, default=600.0, metavar="S",
+                   help="fail when the input pipeline yields no document for S seconds while every worker is "
+                        "idle (default 600)")
     p.set_defaults(func=cmd_run)
 
     s = sub.add_parser("status", help="documents done / failed / pending and tokens, from the committed output")
@@ -69,7 +72,8 @@ def cmd_run(args) -> int:
     try:
         report = JobRunner(spec, fresh=args.fresh, plan=plan, progress=None if not args.no_progress else False,
                            flush_docs=args.commit_docs, flush_seconds=args.commit_seconds,
-                           resource_timeout_s=args.resource_timeout, stall_timeout_s=args.stall_timeout).run()
+                           resource_timeout_s=args.resource_timeout, stall_timeout_s=args.stall_timeout,
+                           input_timeout_s=args.input_timeout).run()
     except JobFailed as e:
         print(f"job failed: {e}", file=sys.stderr)
         return EXIT_FAILED

@@ -31,18 +31,6 @@ class JobFailed(RuntimeError):
 MAX_RESTARTS = 4  # per worker actor; Ray restarts a dead worker this many times
 
 
-def _actor_state(actor) -> str | None:
-    """ALIVE / RESTARTING / DEAD / PENDING_CREATION ... from the GCS actor table (no dashboard
-    needed); None when it cannot be read."""
-    try:
-        from ray._private import state as ray_state
-
-        info = ray_state.actors(actor_id=actor._actor_id.hex())
-        return info.get("State") if isinstance(info, dict) else None
-    except Exception:  # internal API moved: the stall timeout still bounds every wait
-        return None
-
-
 class BatchPrefetcher:
     """Pulls the Ray Data stream (parse, render, tokenize) on a background thread into a
     bounded queue, so that documents are parsed while the workers load the model, and the
@@ -96,14 +84,72 @@ class BatchPrefetcher:
         self._stop.set()
 
 
+class _InputFeed:
+    """Request rows from the prefetcher into the dispatcher. Knows how long the driver has
+    been idle (nothing in flight, no document open) waiting for the input pipeline."""
+
+    def __init__(self, prefetch: BatchPrefetcher):
+        self.prefetch = prefetch
+        self.exhausted = False
+        self.idle_since: float | None = None
+
+    def pull(self, d, room, idle: bool) -> None:
+        """Add rows while `room()`; wait a little for input only when nothing else can progress."""
+        now = time.time()
+        self.idle_since = (self.idle_since or now) if idle and not self.exhausted else None
+        while not self.exhausted and room():
+            try:
+                batch = self.prefetch.get(timeout=0.2 if idle else 0.0)
+            except StopIteration:
+                self.exhausted = True
+                return
+            if batch is None:
+                return
+            self.idle_since, idle = None, False
+            for r in batch.to_pylist():
+                d.add_row(r)
+
+    def idle_for(self, now: float) -> float:
+        return 0.0 if self.idle_since is None else now - self.idle_since
+
+
 @dataclass
-class DocState:
-    doc_id: str
-    rows: list = field(default_factory=list)  # request rows (one per task)
-    results: dict = field(default_factory=dict)  # task -> result dict
-    attempts: int = 0
-    isolate: bool = False
-    failed: bool = False
+class _Tally:
+    """What this run committed, for the report, the metrics and the progress line."""
+
+    metrics: object
+    bar: object = None
+    new_ok: int = 0
+    new_failed: int = 0
+    rows_written: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    prompt_hist: list = field(default_factory=list)
+    output_hist: list = field(default_factory=list)
+    last_log: float = field(default_factory=time.time)
+
+    def doc_ok(self, rows: list[dict]) -> None:
+        p = [r["prompt_tokens"] for r in rows]
+        o = [r["output_tokens"] for r in rows]
+        self.prompt_tokens += sum(p)
+        self.output_tokens += sum(o)
+        self.prompt_hist += p
+        self.output_hist += o
+        self.new_ok += 1
+        self.metrics.docs(ok=1)
+        self.metrics.tokens(prompt=sum(p), output=sum(o))
+
+    def show(self, runner, t_start: float, inflight: int) -> None:
+        self.metrics.inflight(inflight)
+        tokens = self.prompt_tokens + self.output_tokens
+        if self.bar is not None:
+            self.bar.n = runner.already_done + runner.already_failed + self.new_ok + self.new_failed
+            self.bar.set_postfix_str(runner._rate(t_start, tokens), refresh=False)
+            self.bar.refresh()
+        elif time.time() - self.last_log > 10:
+            self.last_log = time.time()
+            log.info("progress: %d documents done, %d failed, %d tokens, %s", self.new_ok, self.new_failed, tokens,
+                     runner._rate(t_start, tokens))
 
 
 def inputs_signature(files: list[str]) -> str:
@@ -113,7 +159,8 @@ def inputs_signature(files: list[str]) -> str:
 class JobRunner:
     def __init__(self, spec, fresh: bool = False, plan: dict | None = None, progress: bool | None = None,
                  worker_options: dict | None = None, flush_docs: int = 16, flush_seconds: float = 5.0,
-                 resource_timeout_s: float = 120.0, stall_timeout_s: float = 1800.0):
+                 resource_timeout_s: float = 120.0, stall_timeout_s: float = 1800.0,
+                 input_timeout_s: float = 600.0):
         self.spec = spec
         self.fresh = fresh
         self.plan = plan
@@ -125,6 +172,12 @@ class JobRunner:
         self.resource_timeout_s = resource_timeout_s
         # no batch returned (result or error) for this long while batches are in flight
         self.stall_timeout_s = stall_timeout_s
+        # no document came from the input pipeline for this long while every worker was idle
+        self.input_timeout_s = input_timeout_s
+        self._last_check = 0.0
+        self._missing_since: float | None = None
+        self.needed_resources: dict = {}  # chip resource -> the pool (role) that needs it
+        self.dispatch_stats: dict = {}  # batches, requeued, suspects, solo_batches, attempts_charged
         self.retries = 0
         self.timeline: list[dict] = []
         self.workers: dict[str, list] = {}  # role -> actor handles (tests: ping() gives pids)
@@ -203,6 +256,8 @@ class JobRunner:
         return pools
 
     def _missing_resources(self) -> list[str]:
+        if not self.needed_resources:
+            return []
         import ray
 
         have = ray.cluster_resources()
@@ -228,12 +283,13 @@ class JobRunner:
                 f"Committed output is intact: rerun the job once such a node is up.")
 
     def _wait_workers_up(self, workers: dict) -> None:
-        """Every worker answers ping (model loaded); bounded by the stall timeout."""
+        """Every worker answers ping (placed, model loaded); bounded, and says which did not."""
         import ray
 
         keys = [(role, i) for role, ws in workers.items() for i in range(len(ws))]
         refs = [workers[role][i].ping.remote() for role, i in keys]
-        deadline = time.time() + max(600.0, self.resource_timeout_s)
+        limit = max(600.0, self.resource_timeout_s)
+        deadline = time.time() + limit
         pending = list(refs)
         missing_since = None
         while pending:
@@ -243,8 +299,17 @@ class JobRunner:
             if missing_since and time.time() - missing_since > self.resource_timeout_s:
                 raise JobFailed(self._no_resource_message(missing))
             if time.time() > deadline:
-                raise JobFailed(f"{len(pending)} workers did not start within {max(600.0, self.resource_timeout_s):.0f} s")
-        infos = ray.get(refs, timeout=60)  # raises if a worker failed to start
+                late = [f"{role} worker {i}" for (role, i), r in zip(keys, refs) if r in pending]
+                raise JobFailed(f"{', '.join(late)} did not answer ping within {limit:.0f} s of being started (placed "
+                                f"on a node with its chip resource, then loading {self.spec.model.name!r}); "
+                                f"committed output is intact")
+        infos = []
+        for (role, i), r in zip(keys, refs):
+            try:
+                infos.append(ray.get(r, timeout=60))  # done: returns at once, or raises
+            except Exception as e:
+                raise JobFailed(f"{role} worker {i} failed to start (loading {self.spec.model.name!r}): "
+                                f"{type(e).__name__}: {brief(e, 500)}") from e
         self.worker_pids = {k: info.get("pid") for k, info in zip(keys, infos)}
 
     def _run_pools(self, store, files, skip_docs, t_start, sig) -> dict:
@@ -321,428 +386,164 @@ class JobRunner:
             shutdown_ray(started)
 
     # ------------------------------------------------------------------------------------
-    def _drive(self, store, batches: BatchPrefetcher, workers, t_start, sig) -> dict:
-        import ray
-
-        from dlbatch.router import Request, Router, RouterConfig
+    def _dispatcher(self, workers: dict):
+        from dlbatch.dispatch import Dispatcher
+        from dlbatch.retry_policy import RetryPolicy
+        from dlbatch.router import Router, RouterConfig
         from dlbatch.router.grouping import make_sampling_key
 
-        spec = self.spec
-        pd = "prefill" in workers
-        front_role = "prefill" if pd else "colocated"
-        front = workers[front_role]
-        decoders = workers.get("decode", [])
-        router = Router(len(front), RouterConfig(policy=spec.router.policy, window=spec.router.window))
+        spec, smp = self.spec, self.spec.sampling
+        n_front = len(workers.get("prefill") or workers["colocated"])
+        key = (lambda r: None) if smp.temperature == 0 else (
+            lambda r: make_sampling_key(f"{r['doc_id']}::{r['task']}", smp.temperature, smp.top_p, smp.top_k,
+                                        int(r["seed"])))
+        return Dispatcher({role: len(ws) for role, ws in workers.items()},
+                          Router(n_front, RouterConfig(policy=spec.router.policy, window=spec.router.window)),
+                          RetryPolicy(max_attempts=spec.retries.max_attempts),
+                          max_batch_tokens=spec.batching.max_batch_tokens, window=spec.router.window,
+                          inflight_cap=spec.batching.max_inflight_batches * max(len(ws) for ws in workers.values()),
+                          request_key=key)
+
+    def _items_for(self, rows: list[dict]) -> list[dict]:
+        smp = self.spec.sampling
+        return [{"request_id": f"{r['doc_id']}::{r['task']}", "token_ids": list(r["prompt_ids"]),
+                 "max_tokens": int(r["max_tokens"]), "temperature": smp.temperature, "top_p": smp.top_p,
+                 "top_k": smp.top_k, "seed": int(r["seed"]) if smp.temperature > 0 else None} for r in rows]
+
+    def _drive(self, store, batches: BatchPrefetcher, workers, t_start, sig) -> dict:
+        """schedule -> submit -> wait -> results / failures -> commit, until every document is
+        committed or dead-lettered. Decisions are the Dispatcher's (dlbatch.dispatch)."""
+        import ray
+
+        from dlbatch.commit_buffer import CommitBuffer
         from dlbatch.metrics import JobMetrics
+        from dlbatch.ray_dispatch import RayWorkers
 
-        metrics = JobMetrics(spec.name)  # Prometheus-style metrics through Ray; no-op without Ray
-        K = len(spec.tasks)
-        smp = spec.sampling
-        max_attempts = spec.retries.max_attempts
-        max_batch_tokens = spec.batching.max_batch_tokens
-        inflight_cap = spec.batching.max_inflight_batches * max(len(front), len(decoders))
-
-        docs: dict[str, DocState] = {}
-        ready: collections.deque = collections.deque()  # request rows ready to route
-        routed: collections.deque = collections.deque()  # (rows, prefill worker) batches not yet submitted
-        # documents whose batch failed: each is retried alone, with nothing else in flight
-        # (quarantine), so a poison document cannot take innocent ones down with it again
-        suspects: collections.OrderedDict = collections.OrderedDict()  # doc_id -> rows to redo
-        inflight: dict = {}  # ref -> (items, front_idx, dec_idx, load, quarantine)
-        dead: dict[str, set] = {role: set() for role in workers}  # workers Ray will not restart
-        # workers that failed a call: nothing is sent to them until a ping answers again (a call to
-        # a restarting actor fails at once, and must not count as an attempt of a document)
-        unhealthy: dict[tuple, dict] = {}  # (role, idx) -> {"since", "probe", "next"}
-        # kv_transport=rdt: a worker Ray restarted is a new process outside the collective
-        # group; nothing is submitted until the group is re-formed, which waits for the
-        # batches in flight to end (re-forming tears down every member's communicator)
-        regroup: dict = {"needed": False, "next": 0.0, "why": ""}
-        dec_load = [0] * len(decoders)
-        commit_rows: list[dict] = []
-        commit_docs = 0
-        error_rows: list[dict] = []
-        last_flush = time.time()
-        new_ok = new_failed = rows_written = 0
-        prompt_tokens = output_tokens = 0
-        prompt_hist: list[int] = []
-        output_hist: list[int] = []
-        exhausted = False
-        bar = self._progress_bar()
-        last_log = time.time()
-        last_progress = time.time()
-        last_check = 0.0
-        missing_since: float | None = None
-
-        def items_for(rows):
-            out = []
-            for r in rows:
-                out.append({"request_id": f"{r['doc_id']}::{r['task']}", "token_ids": list(r["prompt_ids"]),
-                            "max_tokens": int(r["max_tokens"]), "temperature": smp.temperature, "top_p": smp.top_p,
-                            "top_k": smp.top_k, "seed": int(r["seed"]) if smp.temperature > 0 else None})
-            return out
-
-        def dead_letter(doc: DocState, stage: str, etype: str, msg: str):
-            nonlocal new_failed
-            doc.failed = True
-            src = doc.rows[0]["source"] if doc.rows else ""
-            error_rows.append({"doc_id": doc.doc_id, "source": src, "stage": stage, "error_type": etype,
-                               "error": msg[:1000]})
-            log.warning("dead-lettered document %s (%s: %s)", doc.doc_id, etype, msg[:200])
-            new_failed += 1
-            metrics.docs(failed=1)
-            docs.pop(doc.doc_id, None)
-            suspects.pop(doc.doc_id, None)
-
-        def live(role: str, n: int) -> list[int]:
-            idx = [i for i in range(n) if i not in dead[role]]
-            if not idx:
-                raise JobFailed(f"every {role} worker is dead and Ray will not restart it again "
-                                f"(max_restarts={MAX_RESTARTS} used up, e.g. by a document that kills its worker "
-                                f"more often than that, or by lost nodes); {new_ok} documents were committed in "
-                                f"this run and committed output is intact: rerun to resume")
-            return idx
-
-        def available(role: str, n: int) -> list[int]:
-            """Live workers that are up now (not restarting); raises when every one is dead."""
-            return [i for i in live(role, n) if (role, i) not in unhealthy]
-
-        def can_submit() -> bool:
-            if regroup["needed"]:
-                return False
-            return bool(available(front_role, len(front))) and (not pd or bool(available("decode", len(decoders))))
-
-        def reform_rdt_group():
-            """Re-form the RDT group over the live workers once nothing is in flight."""
-            if not regroup["needed"] or inflight or unhealthy or time.time() < regroup["next"]:
-                return
-            from dlbatch.transfer import rdt
-
-            members = [workers[role][i] for role in ("prefill", "decode") for i in live(role, len(workers[role]))]
-            t0 = time.time()
-            old, self.rdt_group = self.rdt_group, None
-            try:
-                self.rdt_group = rdt.reform_group(old, members, device=self.rdt_device)
-            except Exception as e:  # a member died meanwhile: its crash is noted, and we try again
-                regroup["next"] = time.time() + 1.0
-                log.warning("re-forming the RDT group over %d workers failed, retrying: %s", len(members),
-                            brief(e))
-                return
-            regroup["needed"] = False
-            self.rdt_regroups += 1
-            log.info("re-formed the RDT collective group over %d workers in %.1f s (%s)", len(members),
-                     time.time() - t0, regroup["why"])
-
-        def submit(items, front_idx, quarantine=False):
-            lf = available(front_role, len(front))
-            if front_idx not in lf:
-                front_idx = lf[front_idx % len(lf)]
-            if pd:
-                d = min(available("decode", len(decoders)), key=lambda i: dec_load[i])
-                load = sum(len(x["token_ids"]) + x["max_tokens"] for x in items)
-                dec_load[d] += load
-                pref = front[front_idx].prefill.remote(items)
-                if self.kv_via == "rdt":  # the tensors go prefill worker -> decode worker directly
-                    kv = front[front_idx].rdt_export.options(tensor_transport=self.rdt_backend).remote(pref)
-                    ref = decoders[d].decode_rdt.remote(kv, pref, items)
-                else:
-                    ref = decoders[d].decode.remote(pref, items)
-                inflight[ref] = (items, front_idx, d, load, quarantine)
-            else:
-                ref = front[front_idx].generate.remote(items)
-                inflight[ref] = (items, front_idx, None, 0, quarantine)
-            self.inflight = len(inflight)
-
-        def route_window():
-            """Route up to `router.window` ready rows (whole documents) into `routed`."""
-            if not ready:
-                return
-            window_rows = []
-            while ready and len(window_rows) < spec.router.window:
-                window_rows.append(ready.popleft())
-            # keep whole documents together: finish the last document's tasks
-            while ready and window_rows and ready[0]["doc_id"] == window_rows[-1]["doc_id"]:
-                window_rows.append(ready.popleft())
-            normal = [r for r in window_rows if r["doc_id"] in docs]
-            by_id = {f"{r['doc_id']}::{r['task']}": r for r in normal}
-            reqs = [Request(rid, tuple(r["prompt_ids"]), int(r["max_tokens"]),
-                            None if smp.temperature == 0 else make_sampling_key(rid, smp.temperature, smp.top_p,
-                                                                                 smp.top_k, int(r["seed"])))
-                    for rid, r in by_id.items()]
-            routing = router.route(reqs) if reqs else []
-            for kept, dups in getattr(routing, "fanout", {}).items():
-                fanout.setdefault(kept, []).extend(dups)
-            per_worker = []
-            for w, lst in enumerate(routing):
-                batches, batch, tokens = [], [], 0
-                for req in lst:
-                    r = by_id[req.request_id]
-                    if batch and tokens + len(r["prompt_ids"]) > max_batch_tokens:
-                        batches.append((batch, w))
-                        batch, tokens = [], 0
-                    batch.append(r)
-                    tokens += len(r["prompt_ids"])
-                if batch:
-                    batches.append((batch, w))
-                per_worker.append(batches)
-            # interleave the workers' batches so that every worker gets work as slots free up
-            for i in range(max((len(b) for b in per_worker), default=0)):
-                routed.extend(b[i] for b in per_worker if i < len(b))
-
-        def submit_routed():
-            """Hand routed batches to the workers while fewer than max_inflight_batches per
-            worker are in flight (the rest wait here, not in the workers' queues: documents
-            then finish and commit in a steady stream, and a crash loses little)."""
-            while routed and len(inflight) < inflight_cap:
-                rows, w = routed.popleft()
-                rows = [r for r in rows if r["doc_id"] in docs and not docs[r["doc_id"]].failed]
-                if rows:
-                    submit(items_for(rows), w)
-
-        def run_suspect():
-            """One suspect document alone, with nothing else in flight."""
-            d_id, rows = suspects.popitem(last=False)
-            doc = docs[d_id]
-            lf = available(front_role, len(front))
-            submit(items_for(rows), lf[doc.attempts % len(lf)], quarantine=True)
-
-        fanout: dict[str, list[str]] = {}
-
-        def handle_result(res: dict):
-            rid = res["request_id"]
-            targets = [rid] + fanout.pop(rid, [])
-            for t in targets:
-                doc_id, task = t.rsplit("::", 1)
-                doc = docs.get(doc_id)
-                if doc is None or doc.failed:
-                    continue
-                doc.results[task] = res
-
-        def fail_items(items, reason: str, etype: str):
-            failed_docs = dict.fromkeys(it["request_id"].rsplit("::", 1)[0] for it in items)
-            # requests folded onto a failed one (exact duplicates) failed with it
-            for it in items:
-                for t in fanout.pop(it["request_id"], []):
-                    failed_docs.setdefault(t.rsplit("::", 1)[0], None)
-            for d_id in failed_docs:
-                doc = docs.get(d_id)
-                if doc is None or doc.failed:
-                    continue
-                doc.attempts += 1
-                self.retries += 1
-                if doc.attempts >= max_attempts:
-                    dead_letter(doc, "generate", etype,
-                                f"failed on all {doc.attempts} attempts (retries.max_attempts={max_attempts}; "
-                                f"a document that keeps crashing its worker is a poison pill); last error: {reason}")
-                    continue
-                doc.isolate = True
-                missing = [r for r in doc.rows if r["task"] not in doc.results]
-                suspects[d_id] = missing
-                log.warning("retrying document %s alone (attempt %d/%d) after %s", d_id, doc.attempts + 1,
-                            max_attempts, reason[:200])
-
-        def note_crash(role: str, idx: int | None):
-            """After a failed call: hold the worker until it answers a ping; is it gone for good?"""
-            if idx is None or idx in dead[role]:
-                return
-            st = _actor_state(workers[role][idx])
-            if st == "DEAD":  # (when the state cannot be read, the stall timeout bounds the wait)
-                dead[role].add(idx)
-                unhealthy.pop((role, idx), None)
-                log.error("%s worker %d is dead and will not be restarted (state %s)", role, idx, st)
-                return
-            unhealthy.setdefault((role, idx), {"since": time.time(), "probe": None, "next": 0.0})
-
-        def check_health():
-            for key, h in list(unhealthy.items()):
-                role, idx = key
-                if idx in dead[role]:
-                    unhealthy.pop(key, None)
-                    continue
-                if h["probe"] is None:
-                    if time.time() >= h["next"]:
-                        h["probe"] = workers[role][idx].ping.remote()
-                    continue
-                done_, _ = ray.wait([h["probe"]], timeout=0)
-                if not done_:
-                    continue
-                try:
-                    info = ray.get(h["probe"], timeout=10)
-                except Exception as e:  # still restarting, or dead for good
-                    h["probe"], h["next"] = None, time.time() + 1.0
-                    if _actor_state(workers[role][idx]) == "DEAD":
-                        dead[role].add(idx)
-                        unhealthy.pop(key, None)
-                        log.error("%s worker %d is dead and will not be restarted: %s", role, idx,
-                                  brief(e))
-                    continue
-                unhealthy.pop(key, None)
-                log.info("%s worker %d is back after %.1f s", role, idx, time.time() - h["since"])
-                pid = info["pid"]
-                if pid != self.worker_pids.get(key):  # Ray restarted it: a new process
-                    self.worker_pids[key] = pid
-                    if self.kv_via == "rdt" and pd:
-                        regroup["needed"] = True
-                        regroup["why"] = f"{role} worker {idx} restarted"
-
-        def collect_done():
-            nonlocal commit_docs, new_ok, prompt_tokens, output_tokens
-            for d_id in [d for d, s in docs.items() if len(s.results) == K]:
-                doc = docs.pop(d_id)
-                suspects.pop(d_id, None)
-                for r in doc.rows:
-                    res = doc.results[r["task"]]
-                    commit_rows.append({"doc_id": doc.doc_id, "source": r["source"], "task": r["task"],
-                                        "output": res.get("output", ""), "prompt_tokens": len(r["prompt_ids"]),
-                                        "output_tokens": res.get("output_tokens", 0),
-                                        "finish_reason": res.get("finish_reason"), "truncated": bool(r["truncated"]),
-                                        "model": spec.model.name, "ttft_s": res.get("ttft_s"),
-                                        "latency_s": res.get("latency_s"), "text": r.get("text")})
-                    prompt_tokens += len(r["prompt_ids"])
-                    output_tokens += res.get("output_tokens", 0)
-                    prompt_hist.append(len(r["prompt_ids"]))
-                    output_hist.append(res.get("output_tokens", 0))
-                commit_docs += 1
-                new_ok += 1
-                metrics.docs(ok=1)
-                metrics.tokens(prompt=sum(len(r["prompt_ids"]) for r in doc.rows),
-                               output=sum(doc.results[r["task"]].get("output_tokens", 0) for r in doc.rows))
-
-        def flush(force=False):
-            nonlocal commit_rows, commit_docs, error_rows, last_flush, rows_written
-            if not force and commit_docs < self.flush_docs and time.time() - last_flush < self.flush_seconds:
-                return
-            if commit_rows:
-                store.commit_results(commit_rows, spec.output.include_text)
-                rows_written += len(commit_rows)
-                commit_rows, commit_docs = [], 0
-            if error_rows:
-                store.commit_errors(error_rows)
-                error_rows = []
-            last_flush = time.time()
-            self.timeline.append({"t": round(time.time() - t_start, 3), "docs_done": new_ok + new_failed,
-                                  "tokens_done": prompt_tokens + output_tokens})
-
-        def watchdog():
-            nonlocal last_check, missing_since
-            now = time.time()
-            if now - last_check < 2.0:
-                return
-            last_check = now
-            missing = self._missing_resources()
-            missing_since = (missing_since or now) if missing else None
-            if missing:
-                log.warning("waiting for a node that provides %s (%.0f s of %.0f s)", ", ".join(missing),
-                            now - missing_since, self.resource_timeout_s)
-                if now - missing_since > self.resource_timeout_s:
-                    raise JobFailed(self._no_resource_message(missing))
-            waiting = [now - h["since"] for h in unhealthy.values()]
-            if waiting and max(waiting) > self.stall_timeout_s:
-                raise JobFailed(f"a worker has not come back for {max(waiting):.0f} s after a crash (stall_timeout "
-                                f"{self.stall_timeout_s:.0f} s); committed output is intact: rerun to resume")
-            if inflight and now - last_progress > self.stall_timeout_s:
-                raise JobFailed(f"no batch finished or failed for {now - last_progress:.0f} s with {len(inflight)} "
-                                f"in flight (stall_timeout {self.stall_timeout_s:.0f} s); committed output is "
-                                f"intact: rerun to resume")
-
+        d = self._dispatcher(workers)
+        pools = RayWorkers(self, workers, d, self._items_for)
+        feed = _InputFeed(batches)
+        buf = CommitBuffer(self.flush_docs, self.flush_seconds)
+        tally = _Tally(metrics=JobMetrics(self.spec.name), bar=self._progress_bar())
         try:
             while True:
-                watchdog()
-                # pull from the dataset while there is room
-                while not exhausted and len(inflight) < inflight_cap and len(ready) < 2 * spec.router.window:
-                    try:  # wait a little for input only when nothing else can progress
-                        batch = batches.get(timeout=0.2 if not inflight and not ready and not suspects else 0.0)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    if batch is None:
-                        break
-                    for r in batch.to_pylist():
-                        if r.get("error"):
-                            doc = docs.setdefault(r["doc_id"], DocState(r["doc_id"], rows=[r]))
-                            dead_letter(doc, r.get("stage") or "parse", r.get("error_type") or "Error", r["error"])
-                            continue
-                        doc = docs.setdefault(r["doc_id"], DocState(r["doc_id"]))
-                        if any(x["task"] == r["task"] for x in doc.rows):
-                            continue  # the same document twice in the input: computed once
-                        doc.rows.append(r)
-                        ready.append(r)
-                check_health()
-                reform_rdt_group()
-                if suspects:
-                    if not inflight and can_submit():
-                        run_suspect()
-                elif len(inflight) < inflight_cap and can_submit():
-                    submit_routed()
-                    if not routed and len(inflight) < inflight_cap:
-                        # a partial window is routed when the stream ended or a worker has room
-                        route_window()
-                        submit_routed()
-                if not inflight:
-                    if exhausted and not ready and not suspects and not routed:
-                        break
-                    if unhealthy or regroup["needed"]:
-                        time.sleep(0.1)  # waiting for a worker to come back, or to re-form the RDT group
-                    continue
-                done, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)
-                for ref in done:
-                    items, fi, di, load, _q = inflight.pop(ref)
-                    self.inflight = len(inflight)
-                    last_progress = time.time()
-                    if di is not None:
-                        dec_load[di] -= load
-                    try:
-                        results = ray.get(ref, timeout=60)
-                    except Exception as e:  # worker died (restarted by Ray) or lost the KV payload
-                        note_crash(front_role, fi)
-                        if pd:
-                            note_crash("decode", di)
-                        fail_items(items, f"{type(e).__name__}: {brief(e, 300)}", "WorkerCrash")
-                        continue
-                    bad = [r for r in results if "error" in r]
-                    for r in results:
-                        if "error" not in r:
-                            handle_result(r)
-                    if bad:
-                        fail_items([it for it in items if it["request_id"] in {b["request_id"] for b in bad}],
-                                   bad[0]["error"], "EngineError")
-                collect_done()
-                flush()
-                metrics.inflight(len(inflight))
-                if bar is not None:
-                    bar.n = self.already_done + self.already_failed + new_ok + new_failed
-                    bar.set_postfix_str(self._rate(t_start, prompt_tokens + output_tokens), refresh=False)
-                    bar.refresh()
-                elif time.time() - last_log > 10:
-                    last_log = time.time()
-                    log.info("progress: %d documents done, %d failed, %d tokens, %s", new_ok, new_failed,
-                             prompt_tokens + output_tokens, self._rate(t_start, prompt_tokens + output_tokens))
+                self._watchdog(d, pools, feed)
+                feed.pull(d, room=lambda: len(pools.refs) < d.inflight_cap and d.queued < 2 * self.spec.router.window,
+                          idle=not pools.refs and not d.docs)
+                pools.probe()
+                pools.reform_rdt_group()
+                role = d.dead_role()
+                if role is not None:
+                    raise JobFailed(self._all_dead_message(role, tally.new_ok))
+                for b in d.next_batches():
+                    pools.submit(b)
+                if feed.exhausted and d.finished():
+                    break
+                if not pools.refs:
+                    time.sleep(0.05)  # input, a worker coming back, a held-back worker, a regroup
+                for b, outcome in pools.wait(0.5):
+                    pools.handle(b, outcome)
+                self._collect(d, buf, tally)
+                self._commit(store, buf, tally, t_start)
+                tally.show(self, t_start, len(pools.refs))
         except BaseException:
             # commit every document that is complete before giving up; never a partial one
             try:
-                collect_done()
-                flush(force=True)
+                self._collect(d, buf, tally)
+                self._commit(store, buf, tally, t_start, force=True)
             except Exception as e2:  # the original error is the one to report
                 log.error("could not commit finished documents while failing: %s", e2)
             raise
-        collect_done()
-        flush(force=True)
-        if bar is not None:
-            bar.close()
+        finally:
+            self.retries = d.stats["requeued"] + d.stats["attempts_charged"]
+            self.dispatch_stats = {k: d.stats[k] for k in ("batches", "requeued", "suspects", "solo_batches",
+                                                         "attempts_charged")}
+        self._collect(d, buf, tally)
+        self._commit(store, buf, tally, t_start, force=True)
+        if tally.bar is not None:
+            tally.bar.close()
         stats = {}
         try:
             stats = {role: ray.get([w.stats.remote() for w in ws], timeout=60) for role, ws in workers.items()}
         except Exception as e:  # the report must not fail a finished job
-            log.warning("could not collect worker stats: %s", e)
+            log.warning("could not collect worker stats (waited 60 s for every worker's stats()): %s", brief(e))
         wall_now = max(1e-9, time.time() - t_start)
         for role, sts in stats.items():
             for i, st in enumerate(sts):
-                metrics.worker_busy(role, i, st.get("busy_s", 0.0) / wall_now)
-        report = self._finish(store, t_start, stats, new_ok, new_failed, rows_written,
-                              prompt_tokens=prompt_tokens, output_tokens=output_tokens, prompt_hist=prompt_hist,
-                              output_hist=output_hist, router=router.stats.to_dict())
+                tally.metrics.worker_busy(role, i, st.get("busy_s", 0.0) / wall_now)
+        report = self._finish(store, t_start, stats, tally.new_ok, tally.new_failed, tally.rows_written,
+                              prompt_tokens=tally.prompt_tokens, output_tokens=tally.output_tokens,
+                              prompt_hist=tally.prompt_hist, output_hist=tally.output_hist,
+                              router=d.router.stats.to_dict())
         store.write_json("_manifest.json", {**(store.read_json("_manifest.json") or {}), "complete": True,
                                             "inputs": sig})
         return report
+
+    def _collect(self, d, buf, tally) -> None:
+        """Complete documents and dead letters from the dispatcher into the commit buffer."""
+        for doc in d.take_completed():
+            rows = doc.output_rows(self.spec.model.name)
+            buf.add_document(rows)
+            tally.doc_ok(rows)
+        dead = d.take_dead_letters()
+        if dead:
+            buf.add_errors(dead)
+            tally.new_failed += len(dead)
+            tally.metrics.docs(failed=len(dead))
+
+    def _commit(self, store, buf, tally, t_start, force: bool = False) -> None:
+        if not buf.due(force):
+            return
+        rows, errors = buf.take()
+        if rows:
+            store.commit_results(rows, self.spec.output.include_text)
+            tally.rows_written += len(rows)
+        if errors:
+            store.commit_errors(errors)
+        self.timeline.append({"t": round(time.time() - t_start, 3), "docs_done": tally.new_ok + tally.new_failed,
+                              "tokens_done": tally.prompt_tokens + tally.output_tokens})
+
+    def _all_dead_message(self, role: str, new_ok: int) -> str:
+        return (f"every {role} worker is dead and Ray will not restart it again (max_restarts={MAX_RESTARTS} used "
+                f"up, e.g. by a document that kills its worker more often than that, or by lost nodes); {new_ok} "
+                f"documents were committed in this run and committed output is intact: rerun to resume")
+
+    def _watchdog(self, d, pools, feed) -> None:
+        """Every wait of the loop is bounded, and says what it waited for when it fires."""
+        now = time.time()
+        if now - self._last_check < 2.0:
+            return
+        self._last_check = now
+        missing = self._missing_resources()
+        self._missing_since = (self._missing_since or now) if missing else None
+        if missing:
+            log.warning("waiting for a node that provides %s (%.0f s of %.0f s)", ", ".join(missing),
+                        now - self._missing_since, self.resource_timeout_s)
+            if now - self._missing_since > self.resource_timeout_s:
+                raise JobFailed(self._no_resource_message(missing))
+        for w in d.unhealthy():
+            if d.clock() - w.since > self.stall_timeout_s:
+                raise JobFailed(f"{w.key[0]} worker {w.key[1]} has not answered a ping for {d.clock() - w.since:.0f} "
+                                f"s after a failed batch (stall_timeout {self.stall_timeout_s:.0f} s); committed "
+                                f"output is intact: rerun to resume")
+        if pools.refs and now - pools.last_progress > self.stall_timeout_s:
+            on = sorted({f"{k[0]} {k[1]}" for b in pools.refs.values() for k in b.workers})
+            raise JobFailed(f"no batch finished or failed for {now - pools.last_progress:.0f} s with "
+                            f"{len(pools.refs)} in flight on workers {', '.join(on)} (stall_timeout "
+                            f"{self.stall_timeout_s:.0f} s); committed output is intact: rerun to resume")
+        if feed.idle_for(now) > self.input_timeout_s:
+            raise JobFailed(self._no_input_message(feed.idle_for(now)))
+
+    def _no_input_message(self, waited: float) -> str:
+        import ray
+
+        try:
+            cpus = f"{ray.available_resources().get('CPU', 0):g} of {ray.cluster_resources().get('CPU', 0):g} CPUs free"
+        except Exception:  # the message must not fail
+            cpus = "CPUs unknown"
+        return (f"no document came from the input pipeline (list/parse/tokenize stages over {self.spec.input.path}) "
+                f"for {waited:.0f} s while every worker was idle (input_timeout {self.input_timeout_s:.0f} s); Ray "
+                f"Data stages may be waiting for CPUs the worker pools hold ({cpus}), or the source hangs. "
+                f"Committed output is intact: rerun to resume (raise --input-timeout for a slow source)")
 
     # ------------------------------------------------------------------------------------
     def _progress_bar(self):
@@ -789,6 +590,7 @@ class JobRunner:
             "pools": pools, "kv_transport": self.kv_via if "prefill" in pools else None,
             "rdt_regroups": self.rdt_regroups, "router": router or {},
             "retries": {"worker": self.retries, "io": retry_count() - self.io_retries_start},
+            "dispatch": self.dispatch_stats,
             "timeline": self.timeline, "prompt_token_hist": list(prompt_hist), "output_token_hist": list(output_hist),
         }
         if self.plan and self.plan.get("usd_per_hour"):
