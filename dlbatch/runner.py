@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from dlbatch.checkpoint import COMPACT_MIN_PARTS
 from dlbatch.transfer.errors import brief
 
 log = logging.getLogger("dlbatch.run")
@@ -106,11 +107,16 @@ class DocState:
     failed: bool = False
 
 
-def inputs_signature(files: list[str]) -> str:
-    return hashlib.sha256("\n".join(files).encode()).hexdigest()[:16]
+def inputs_signature(files: list[str], storage_options: dict | None = None, limit: int | None = None) -> str:
+    """Names, sizes and versions (mtime / ETag) of the inputs, and input.limit: the "nothing
+    to do" check of a complete job compares it (connectors.listing.inputs_fingerprint)."""
+    from connectors.listing import inputs_fingerprint
+
+    return inputs_fingerprint(files, storage_options, limit)
 
 
 class JobRunner:
+    compact_min_parts: int | None = COMPACT_MIN_PARTS  # merge small parts at job end when more exist; None/-1: never
     def __init__(self, spec, fresh: bool = False, plan: dict | None = None, progress: bool | None = None,
                  worker_options: dict | None = None, flush_docs: int = 16, flush_seconds: float = 5.0,
                  resource_timeout_s: float = 120.0, stall_timeout_s: float = 1800.0):
@@ -158,9 +164,9 @@ class JobRunner:
         files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
         if spec.input.limit is not None and spec.input.format in ("pdf", "text"):
             files = files[:spec.input.limit]
-        sig = inputs_signature(files)
-        prog = store.progress()
+        sig = inputs_signature(files, dict(spec.input.storage_options), spec.input.limit)
         task_names = {t.name for t in spec.tasks}
+        prog = store.progress(tasks=task_names)  # from the parts' index files, not their text
         done_ok = {d for d, ts in prog["tasks_by_doc"].items() if ts >= task_names}
         skip_docs = done_ok | prog["docs_failed"]
         if manifest and manifest.get("complete") and manifest.get("inputs") == sig:
@@ -172,7 +178,7 @@ class JobRunner:
                                             "fields": fingerprint_fields(spec), "inputs": sig, "complete": False,
                                             "started": t_start})
         todo = files
-        if spec.input.format in ("pdf", "text"):
+        if spec.input.format in ("pdf", "text"):  # a source is done when all its documents are
             todo = [f for f in files if f not in prog["sources_done"]]
         self.docs_total_hint = len(files) if spec.input.format in ("pdf", "text") else None
         self.already_done = len(done_ok)
@@ -758,10 +764,24 @@ class JobRunner:
         dt = max(1e-9, time.time() - t_start)
         return f"{tokens / dt:.0f} tok/s"
 
+    def _compact_output(self, store) -> dict:
+        """At job end: merge the small committed parts when more than compact_min_parts
+        exist (dlbatch.checkpoint.OutputStore.compact); a failure leaves the parts as they
+        are and never fails the job."""
+        min_parts = getattr(self, "compact_min_parts", None)
+        if min_parts is None or min_parts < 0:
+            return {}
+        try:
+            return store.compact(min_parts=min_parts)
+        except Exception as e:
+            log.warning("compaction of %s skipped: %s", store.url, brief(e))
+            return {"error": brief(e)}
+
     def _finish(self, store, t_start, stats, new_ok, new_failed, rows, prompt_tokens=0, output_tokens=0,
                 prompt_hist=(), output_hist=(), router=None, noop_docs=False) -> dict:
         from connectors.io_retry import retry_count
 
+        compaction = self._compact_output(store)
         wall = time.time() - t_start
         pools = {}
         prefill_computed = 0
@@ -790,6 +810,7 @@ class JobRunner:
             "rdt_regroups": self.rdt_regroups, "router": router or {},
             "retries": {"worker": self.retries, "io": retry_count() - self.io_retries_start},
             "timeline": self.timeline, "prompt_token_hist": list(prompt_hist), "output_token_hist": list(output_hist),
+            "compaction": compaction,
         }
         if self.plan and self.plan.get("usd_per_hour"):
             usd_h = float(self.plan["usd_per_hour"])
