@@ -253,6 +253,46 @@ class JobRunner:
         infos = ray.get(refs, timeout=60)  # raises if a worker failed to start
         self.worker_pids = {k: info.get("pid") for k, info in zip(keys, infos)}
 
+    def _check_shm_same_node(self, workers: dict) -> None:
+        """kv_transport=shm moves KV through this node's /dev/shm: every prefill and decode
+        worker must be on one node. Checked once the workers are up, so a placement across
+        nodes fails the job at start, naming the nodes, not every document later."""
+        if self.kv_via != "shm" or "prefill" not in workers:
+            return
+        import ray
+
+        nodes: dict[str, set] = {}
+        for role in ("prefill", "decode"):
+            infos = ray.get([w.ping.remote() for w in workers.get(role, [])], timeout=60)
+            for i, info in enumerate(infos):
+                nodes.setdefault(info.get("node_id") or "?", set()).add(f"{role}[{i}]")
+        if len(nodes) > 1:
+            where = "; ".join(f"node {n[:12]}: {', '.join(sorted(ws))}" for n, ws in sorted(nodes.items()))
+            raise JobFailed(f"cluster.kv_transport='shm' needs every prefill and decode worker on one node (shared "
+                            f"memory does not cross machines), but they were placed on {len(nodes)} nodes ({where}); "
+                            f"use kv_transport: object_store (or rdt/dlslime), or pools on one node")
+        self._shm_cleanup(workers, close=False)  # segments of processes killed in an earlier run
+
+    def _shm_cleanup(self, workers: dict, close: bool) -> None:
+        """kv_transport=shm: sweep stale segments on the workers' nodes (and this one); with
+        ``close``, the workers also unlink their pooled segments (ray.kill skips their exit
+        handlers). Best effort, bounded: a dead worker's segments are swept next time."""
+        if self.kv_via != "shm" or "prefill" not in workers:
+            return
+        from dlbatch.transfer import shm
+
+        swept = list(shm.sweep_stale_segments())
+        try:
+            import ray
+
+            refs = [w.shm_cleanup.remote(close) for ws in workers.values() for w in ws]
+            for r in ray.get(refs, timeout=10):
+                swept += r
+        except Exception as e:  # a worker already gone: nothing of its own left to close
+            log.info("shm cleanup on the workers incomplete: %s", brief(e))
+        if swept:
+            log.info("swept %d stale shared-memory segments", len(set(swept)))
+
     def _run_pools(self, store, files, skip_docs, t_start, sig) -> dict:
         import ray
 
@@ -308,6 +348,7 @@ class JobRunner:
             # documents are parsed and tokenized while the workers load the model
             prefetch = BatchPrefetcher(get_pipeline(spec.pipeline).build(spec, files, skip_docs))
             self._wait_workers_up(workers)
+            self._check_shm_same_node(workers)
             if use_rdt:  # one collective group over every prefill and decode worker
                 from dlbatch.transfer import rdt
 
@@ -318,6 +359,7 @@ class JobRunner:
         finally:
             if prefetch is not None:
                 prefetch.close()
+            self._shm_cleanup(workers, close=True)
             for ws in workers.values():
                 for w in ws:
                     try:
