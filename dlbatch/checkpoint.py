@@ -50,6 +50,7 @@ ERRORS_DIR = "_errors"
 SMALL_ROWS = 4096
 COMPACT_MIN_PARTS = 64
 COMPACT_TARGET_ROWS = 65536
+COMPACT_TARGET_BYTES = 64 << 20  # ... or of about this many Parquet bytes (a merge holds them in memory)
 
 
 def keys_digest(keys) -> str:
@@ -106,7 +107,8 @@ class OutputStore:
 
         parts, found = self._listing()
         with_index = [p for p in parts if self._p(f"{INDEX_DIR}/{self._rel(p)}") in found]
-        without = [p for p in parts if p not in set(with_index)]
+        indexed = set(with_index)
+        without = [p for p in parts if p not in indexed]
         got = dict(zip(with_index, read_paths(self.fs, [self._p(f"{INDEX_DIR}/{self._rel(p)}") for p in with_index])))
         got.update(zip(without, read_paths(self.fs, without, INDEX_COLUMNS)))
         return [(p, got[p]) for p in parts]
@@ -270,9 +272,10 @@ class OutputStore:
         return len(recs)
 
     def compact(self, min_parts: int = COMPACT_MIN_PARTS, small_rows: int = SMALL_ROWS,
-                target_rows: int = COMPACT_TARGET_ROWS) -> dict:
+                target_rows: int = COMPACT_TARGET_ROWS, target_bytes: int = COMPACT_TARGET_BYTES) -> dict:
         """Merge the parts of fewer than ``small_rows`` rows into parts of about
-        ``target_rows`` rows when more than ``min_parts`` of them exist.
+        ``target_rows`` rows (or ``target_bytes`` Parquet bytes, whichever comes first) when
+        more than ``min_parts`` of them exist.
 
         One merge: (1) the record ``_compact/<M>.json`` naming M and the parts S it replaces;
         (2) M, written atomically like any part, then its index; (3) the parts S, then their
@@ -283,15 +286,21 @@ class OutputStore:
         small = [(p, t.num_rows) for p, t in self.part_indexes() if t.num_rows < small_rows]
         if len(small) <= min_parts:
             return {"parts_before": len(small), "merged_parts": 0, "parts_written": 0}
-        groups, cur, n = [], [], 0
+        from connectors.io_retry import call_with_retry
+
+        sizes = {k: v.get("size") or 0 for k, v in
+                 call_with_retry(self.fs.find, self.root, maxdepth=1, detail=True, op=f"find {self.root}").items()}
+        groups, cur, n, nbytes = [], [], 0, 0
         for p, rows in small:
             cur.append(p)
             n += rows
-            if n >= target_rows:
+            nbytes += sizes.get(p, 0)
+            if n >= target_rows or nbytes >= target_bytes:
                 groups.append(cur)
-                cur, n = [], 0
+                cur, n, nbytes = [], 0, 0
         if len(cur) > 1:
             groups.append(cur)
+        groups = [g for g in groups if len(g) > 1]
         for g in groups:
             self._merge(g)
         return {"parts_before": len(small), "merged_parts": sum(len(g) for g in groups), "parts_written": len(groups)}
