@@ -148,3 +148,44 @@ def read_document_file(url: str, format: str, text_field: str = "text", id_field
 
         yield from read_hf(url, text_field, id_field, split=split, title_field=title_field,
                            storage_options=storage_options)
+
+
+_VERSION_KEYS = ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified", "last_modified", "updated",
+                 "modified", "created")
+
+
+def _version(info: dict) -> str:
+    """What changes when an object's content changes: its ETag/generation on object stores,
+    its modification time on file systems (first key of _VERSION_KEYS present)."""
+    for k in _VERSION_KEYS:
+        if info.get(k) is not None:
+            return f"{k}={info[k]}"
+    return ""
+
+
+def _describe(url: str, storage_options: dict | None) -> str:
+    fs, p = _url_to_fs(url, storage_options)
+    info = call_with_retry(fs.info, p, op=f"info {url}")
+    if info.get("type") == "directory":  # an hf saved-dataset directory: every file in it
+        found = call_with_retry(fs.find, p, detail=True, op=f"find {url}")
+        return ";".join(f"{k[len(p):]}:{v.get('size')}:{_version(v)}" for k, v in sorted(found.items()))
+    return f"{info.get('size')}:{_version(info)}"
+
+
+def inputs_fingerprint(files: list[str], storage_options: dict | None = None, limit: int | None = None,
+                       threads: int = 16) -> str:
+    """A digest of the listed inputs as they are now: names, sizes, versions (modification
+    time, or ETag/generation on object stores) and ``input.limit``. Rows appended to a file,
+    a new file, a replaced object or a raised limit change it; the same inputs give the same
+    digest. The info calls run ``threads`` at a time (one HEAD per object on a store)."""
+    import hashlib
+
+    if len(files) > 1 and threads > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(threads, len(files))) as ex:
+            described = list(ex.map(lambda f: _describe(f, storage_options), files))
+    else:
+        described = [_describe(f, storage_options) for f in files]
+    body = "\n".join(f"{f}\t{d}" for f, d in zip(files, described)) + f"\nlimit={limit}"
+    return hashlib.sha256(body.encode()).hexdigest()[:16]

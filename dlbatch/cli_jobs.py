@@ -1,4 +1,4 @@
-"""`dlbatch run` and `dlbatch status`."""
+"""`dlbatch run`, `dlbatch status` and `dlbatch compact`."""
 from __future__ import annotations
 
 import json
@@ -27,6 +27,9 @@ def register(sub) -> None:
     p.add_argument("--input-timeout", type=float, default=600.0, metavar="S",
                    help="fail when the input pipeline yields no document for S seconds while every worker is "
                         "idle (default 600)")
+    p.add_argument("--compact-parts", type=int, default=None, metavar="N",
+                   help="at job end, merge the small committed parts when more than N exist (default 64; "
+                        "-1: never)")
     p.set_defaults(func=cmd_run)
 
     s = sub.add_parser("status", help="documents done / failed / pending and tokens, from the committed output")
@@ -34,6 +37,14 @@ def register(sub) -> None:
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(func=cmd_status)
+
+    c = sub.add_parser("compact", help="merge a job's small committed parts into larger ones (crash-safe; "
+                                       "finishes a compaction a crash interrupted)")
+    c.add_argument("job")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    c.add_argument("--min-parts", type=int, default=None, metavar="N",
+                   help="merge only when more than N small parts exist (default 0: always)")
+    c.set_defaults(func=cmd_compact)
 
 
 def _load(args):
@@ -70,10 +81,13 @@ def cmd_run(args) -> int:
     from dlbatch.runner import JobFailed, JobRunner
 
     try:
-        report = JobRunner(spec, fresh=args.fresh, plan=plan, progress=None if not args.no_progress else False,
+        runner = JobRunner(spec, fresh=args.fresh, plan=plan, progress=None if not args.no_progress else False,
                            flush_docs=args.commit_docs, flush_seconds=args.commit_seconds,
                            resource_timeout_s=args.resource_timeout, stall_timeout_s=args.stall_timeout,
-                           input_timeout_s=args.input_timeout).run()
+                           input_timeout_s=args.input_timeout)
+        if args.compact_parts is not None:
+            runner.compact_min_parts = args.compact_parts
+        report = runner.run()
     except JobFailed as e:
         print(f"job failed: {e}", file=sys.stderr)
         return EXIT_FAILED
@@ -104,8 +118,8 @@ def job_status(spec) -> dict:
     from dlbatch.checkpoint import OutputStore
 
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
-    prog = store.progress()
     tasks = {t.name for t in spec.tasks}
+    prog = store.progress(tasks=tasks)  # from the parts' index files
     done = {d for d, ts in prog["tasks_by_doc"].items() if ts >= tasks}
     files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
     if spec.input.limit is not None and spec.input.format in ("pdf", "text"):
@@ -143,4 +157,22 @@ def cmd_status(args) -> int:
               f"(of {st['docs_total']})")
         print(f"  rows: {st['rows']}   tokens: {st['prompt_tokens']} prompt, {st['output_tokens']} output")
         print(f"  state: {'complete' if st['complete'] else 'incomplete'}")
+    return EXIT_OK
+
+
+def cmd_compact(args) -> int:
+    spec = _load(args)
+    if spec is None:
+        return EXIT_INVALID
+    from dlbatch.checkpoint import OutputStore
+
+    store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+    try:
+        res = store.compact(min_parts=args.min_parts if args.min_parts is not None else 0)
+    except OSError as e:
+        print(f"compaction failed: {type(e).__name__}: {e}; committed output under {spec.output.path} is intact "
+              f"(rerun to finish)", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{spec.output.path}: {res['merged_parts']} small parts merged into {res['parts_written']} "
+          f"({res['parts_before']} small parts before)")
     return EXIT_OK

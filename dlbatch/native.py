@@ -1,10 +1,11 @@
 """Small C kernels, compiled on first use with the system C compiler and loaded with ctypes.
 
-A kernel is one C file in the package. `load()` compiles it once into a cache directory
-(``$DLBATCH_CACHE_DIR``, else ``~/.cache/dlbatch``, else the temp dir), the file named by a
-hash of the source, the flags, the Python build and this CPU's instruction-set flags (so
+A kernel is one C file in the package. `load()` compiles it once into the per-user cache
+(``dlbatch.cache.user_cache_dir("native")``: ``$DLBATCH_CACHE``, else ``~/.cache/dlbatch``,
+created 0700 and refused when another user owns it), the file named by a hash of the source, the flags, the Python build and this CPU's instruction-set flags (so
 a home directory shared by different machines never loads code built for another CPU),
-then loads it. ctypes releases the GIL for each call. Without a compiler, or with
+then loads it — only a regular file of ours that nobody else can write (any other file
+at that name is compiled over). ctypes releases the GIL for each call. Without a compiler, or with
 ``DLBATCH_NATIVE=0``, `load()` raises OSError and callers use their torch/numpy path —
 the same results, only slower.
 """
@@ -16,20 +17,18 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
+
+from dlbatch.cache import safe_file
 
 _LOCK = threading.Lock()
 
 
 def _cache_dirs() -> list[Path]:
-    dirs = []
-    if os.environ.get("DLBATCH_CACHE_DIR"):
-        dirs.append(Path(os.environ["DLBATCH_CACHE_DIR"]))
-    dirs.append(Path.home() / ".cache" / "dlbatch")
-    dirs.append(Path(tempfile.gettempdir()) / f"dlbatch-{os.getuid() if hasattr(os, 'getuid') else 'u'}")
-    return dirs
+    from dlbatch.cache import user_cache_dir
+
+    return [user_cache_dir("native")]
 
 
 def _cpu_flags() -> bytes:
@@ -54,11 +53,14 @@ def load(src: Path, flags: tuple[str, ...] = ("-O2",), env_switch: str | None = 
                          + _cpu_flags()).hexdigest()[:16]
     errors = []
     with _LOCK:
-        for d in _cache_dirs():
+        try:
+            dirs = _cache_dirs()
+        except OSError as e:
+            raise OSError(f"no safe directory to compile {src.name} into: {e}") from None
+        for d in dirs:
             so = d / f"{src.stem.lstrip('_')}-{tag}.so"
-            if not so.exists():
+            if not safe_file(so):  # missing, or not ours alone: (re)compile over it
                 try:
-                    d.mkdir(parents=True, exist_ok=True)
                     tmp = d / f".{so.stem}-{os.getpid()}-{threading.get_ident()}.so"
                     cc = os.environ.get("CC", "cc")
                     proc = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(tmp), str(src)],
@@ -66,6 +68,7 @@ def load(src: Path, flags: tuple[str, ...] = ("-O2",), env_switch: str | None = 
                     if proc.returncode != 0:
                         errors.append(f"{cc} failed: {proc.stderr.strip()[:300]}")
                         continue
+                    os.chmod(tmp, 0o700)
                     os.replace(tmp, so)  # atomic: concurrent builders each write their own tmp
                 except (OSError, subprocess.SubprocessError) as e:
                     errors.append(f"{d}: {e}")

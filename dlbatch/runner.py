@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from dlbatch.checkpoint import COMPACT_MIN_PARTS
 from dlbatch.transfer.errors import brief
 
 log = logging.getLogger("dlbatch.run")
@@ -152,11 +153,16 @@ class _Tally:
                      runner._rate(t_start, tokens))
 
 
-def inputs_signature(files: list[str]) -> str:
-    return hashlib.sha256("\n".join(files).encode()).hexdigest()[:16]
+def inputs_signature(files: list[str], storage_options: dict | None = None, limit: int | None = None) -> str:
+    """Names, sizes and versions (mtime / ETag) of the inputs, and input.limit: the "nothing
+    to do" check of a complete job compares it (connectors.listing.inputs_fingerprint)."""
+    from connectors.listing import inputs_fingerprint
+
+    return inputs_fingerprint(files, storage_options, limit)
 
 
 class JobRunner:
+    compact_min_parts: int | None = COMPACT_MIN_PARTS  # merge small parts at job end when more exist; None/-1: never
     def __init__(self, spec, fresh: bool = False, plan: dict | None = None, progress: bool | None = None,
                  worker_options: dict | None = None, flush_docs: int = 16, flush_seconds: float = 5.0,
                  resource_timeout_s: float = 120.0, stall_timeout_s: float = 1800.0,
@@ -211,9 +217,9 @@ class JobRunner:
         files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
         if spec.input.limit is not None and spec.input.format in ("pdf", "text"):
             files = files[:spec.input.limit]
-        sig = inputs_signature(files)
-        prog = store.progress()
+        sig = inputs_signature(files, dict(spec.input.storage_options), spec.input.limit)
         task_names = {t.name for t in spec.tasks}
+        prog = store.progress(tasks=task_names)  # from the parts' index files, not their text
         done_ok = {d for d, ts in prog["tasks_by_doc"].items() if ts >= task_names}
         skip_docs = done_ok | prog["docs_failed"]
         if manifest and manifest.get("complete") and manifest.get("inputs") == sig:
@@ -225,7 +231,7 @@ class JobRunner:
                                             "fields": fingerprint_fields(spec), "inputs": sig, "complete": False,
                                             "started": t_start})
         todo = files
-        if spec.input.format in ("pdf", "text"):
+        if spec.input.format in ("pdf", "text"):  # a source is done when all its documents are
             todo = [f for f in files if f not in prog["sources_done"]]
         self.docs_total_hint = len(files) if spec.input.format in ("pdf", "text") else None
         self.already_done = len(done_ok)
@@ -312,6 +318,46 @@ class JobRunner:
                                 f"{type(e).__name__}: {brief(e, 500)}") from e
         self.worker_pids = {k: info.get("pid") for k, info in zip(keys, infos)}
 
+    def _check_shm_same_node(self, workers: dict) -> None:
+        """kv_transport=shm moves KV through this node's /dev/shm: every prefill and decode
+        worker must be on one node. Checked once the workers are up, so a placement across
+        nodes fails the job at start, naming the nodes, not every document later."""
+        if self.kv_via != "shm" or "prefill" not in workers:
+            return
+        import ray
+
+        nodes: dict[str, set] = {}
+        for role in ("prefill", "decode"):
+            infos = ray.get([w.ping.remote() for w in workers.get(role, [])], timeout=60)
+            for i, info in enumerate(infos):
+                nodes.setdefault(info.get("node_id") or "?", set()).add(f"{role}[{i}]")
+        if len(nodes) > 1:
+            where = "; ".join(f"node {n[:12]}: {', '.join(sorted(ws))}" for n, ws in sorted(nodes.items()))
+            raise JobFailed(f"cluster.kv_transport='shm' needs every prefill and decode worker on one node (shared "
+                            f"memory does not cross machines), but they were placed on {len(nodes)} nodes ({where}); "
+                            f"use kv_transport: object_store (or rdt/dlslime), or pools on one node")
+        self._shm_cleanup(workers, close=False)  # segments of processes killed in an earlier run
+
+    def _shm_cleanup(self, workers: dict, close: bool) -> None:
+        """kv_transport=shm: sweep stale segments on the workers' nodes (and this one); with
+        ``close``, the workers also unlink their pooled segments (ray.kill skips their exit
+        handlers). Best effort, bounded: a dead worker's segments are swept next time."""
+        if self.kv_via != "shm" or "prefill" not in workers:
+            return
+        from dlbatch.transfer import shm
+
+        swept = list(shm.sweep_stale_segments())
+        try:
+            import ray
+
+            refs = [w.shm_cleanup.remote(close) for ws in workers.values() for w in ws]
+            for r in ray.get(refs, timeout=10):
+                swept += r
+        except Exception as e:  # a worker already gone: nothing of its own left to close
+            log.info("shm cleanup on the workers incomplete: %s", brief(e))
+        if swept:
+            log.info("swept %d stale shared-memory segments", len(set(swept)))
+
     def _run_pools(self, store, files, skip_docs, t_start, sig) -> dict:
         import ray
 
@@ -367,6 +413,7 @@ class JobRunner:
             # documents are parsed and tokenized while the workers load the model
             prefetch = BatchPrefetcher(get_pipeline(spec.pipeline).build(spec, files, skip_docs))
             self._wait_workers_up(workers)
+            self._check_shm_same_node(workers)
             if use_rdt:  # one collective group over every prefill and decode worker
                 from dlbatch.transfer import rdt
 
@@ -377,6 +424,7 @@ class JobRunner:
         finally:
             if prefetch is not None:
                 prefetch.close()
+            self._shm_cleanup(workers, close=True)
             for ws in workers.values():
                 for w in ws:
                     try:
@@ -559,10 +607,24 @@ class JobRunner:
         dt = max(1e-9, time.time() - t_start)
         return f"{tokens / dt:.0f} tok/s"
 
+    def _compact_output(self, store) -> dict:
+        """At job end: merge the small committed parts when more than compact_min_parts
+        exist (dlbatch.checkpoint.OutputStore.compact); a failure leaves the parts as they
+        are and never fails the job."""
+        min_parts = getattr(self, "compact_min_parts", None)
+        if min_parts is None or min_parts < 0:
+            return {}
+        try:
+            return store.compact(min_parts=min_parts)
+        except Exception as e:
+            log.warning("compaction of %s skipped: %s", store.url, brief(e))
+            return {"error": brief(e)}
+
     def _finish(self, store, t_start, stats, new_ok, new_failed, rows, prompt_tokens=0, output_tokens=0,
                 prompt_hist=(), output_hist=(), router=None, noop_docs=False) -> dict:
         from connectors.io_retry import retry_count
 
+        compaction = self._compact_output(store)
         wall = time.time() - t_start
         pools = {}
         prefill_computed = 0
@@ -592,6 +654,7 @@ class JobRunner:
             "retries": {"worker": self.retries, "io": retry_count() - self.io_retries_start},
             "dispatch": self.dispatch_stats,
             "timeline": self.timeline, "prompt_token_hist": list(prompt_hist), "output_token_hist": list(output_hist),
+            "compaction": compaction,
         }
         if self.plan and self.plan.get("usd_per_hour"):
             usd_h = float(self.plan["usd_per_hour"])

@@ -295,7 +295,17 @@ class _WorkerBase:
             os._exit(1)
 
     def ping(self) -> dict:
-        return {"pid": os.getpid(), "role": self.ROLE, "fingerprint": self.loop.llm.fingerprint}
+        import ray
+
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        return {"pid": os.getpid(), "role": self.ROLE, "fingerprint": self.loop.llm.fingerprint, "node_id": node}
+
+    def shm_cleanup(self, close: bool = False) -> list[str]:
+        """kv_transport=shm: sweep this node's segments of dead processes; ``close``: also
+        unlink this worker's pooled segments (a graceful stop before ray.kill)."""
+        from dlbatch.transfer import shm
+
+        return shm.cleanup(close=close)
 
     def stats(self) -> dict:
         return self.loop.stats()

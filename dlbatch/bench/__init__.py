@@ -15,6 +15,7 @@ BENCHES = {
     "pipeline": "end-to-end documents/s and tokens/s vs Ray Data + transformers generate",
     "router": "prefix-aware vs round-robin routing on the same job",
     "solver": "measured tokens/s vs the plan's prediction and the simulation",
+    "status": "dlbatch status / resume on N committed documents (index, compaction) vs reading every part",
 }
 
 

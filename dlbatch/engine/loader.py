@@ -176,16 +176,16 @@ _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
 
 
 def _local_copy(fs, p: str) -> str:
+    """A remote GGUF's local copy, in the per-user cache (dlbatch.cache: 0700, ours), never in
+    a shared temp directory where another user could plant the file we would load."""
     if _is_local(fs):
         return p
-    import tempfile
+    from dlbatch.cache import safe_file, user_cache_dir
 
     info = fs.info(p)
     key = hashlib.sha256(f"{p}:{info.get('size')}:{info.get('ETag', info.get('mtime', ''))}".encode()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("DLBATCH_CACHE", os.path.join(tempfile.gettempdir(), "dlbatch-cache")))
-    os.makedirs(cache, exist_ok=True)
-    dst = os.path.join(cache, f"{key}.gguf")
-    if not os.path.exists(dst):
+    dst = os.path.join(str(user_cache_dir("remote")), f"{key}.gguf")
+    if not safe_file(dst):
         tmp = dst + f".{os.getpid()}.part"
         fs.get_file(p, tmp)
         os.replace(tmp, dst)
@@ -203,9 +203,9 @@ def read_gguf_metadata(reader) -> dict[str, Any]:
 
 
 def _cache_root() -> str:
-    root = os.environ.get("DLBATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dlbatch")
-    os.makedirs(root, exist_ok=True)
-    return root
+    from dlbatch.cache import user_cache_dir
+
+    return str(user_cache_dir())
 
 
 def _load_gguf(name: str, fs, p: str) -> LoadedModel:

@@ -296,6 +296,25 @@ def drain_pool() -> list[str]:
     return _pool().drain()
 
 
+def close_pool() -> None:
+    """A graceful stop (``ray.kill`` skips the exit finaliser): what the pool does at exit,
+    now — unlink idle and received segments, leave unreceived ones to their receiver."""
+    with _POOL_LOCK:
+        pool = _POOL
+    if pool is not None:
+        pool.shutdown()
+
+
+def cleanup(close: bool = False) -> list[str]:
+    """Sweep this node's segments of dead processes; with ``close``, also end this process's
+    pool and mappings (a worker about to stop). Returns the names swept."""
+    removed = sweep_stale_segments()
+    if close:
+        close_pool()
+        drop_receiver_mappings()
+    return removed
+
+
 def prewarm(meta: KVMeta, count: int = 1) -> None:
     """Create ``count`` idle, pre-faulted segments for payloads shaped like ``meta``.
 

@@ -1,0 +1,1 @@
+"""Helpers for tests and fault drills (importable without Ray or a model)."""

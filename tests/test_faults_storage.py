@@ -1,0 +1,190 @@
+"""Storage fault drills through JobRunner, input changes, and the point-7 fixes (per-user
+cache, shm same-node check and segment cleanup)."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from dlbatch.testing.faultfs import FaultPlan, install
+from tests.test_reliability import SEQ, _canon, _jsonl, _rows, _run
+
+DOCS3 = {"alpha": "Solar cells convert light into electricity with perovskite absorbers. " * 4,
+         "beta": "Songbirds migrate at night and time their departure by day length. " * 4,
+         "gamma": "Glaciers carve valleys as they slide over bedrock under their own weight. " * 4}
+ONE_PER_PART = [*SEQ]
+
+
+@pytest.fixture
+def plan():
+    from connectors.io_retry import RetryPolicy, set_default_policy
+
+    prev = set_default_policy(RetryPolicy(max_attempts=3, initial_wait_s=0.01, max_wait_s=0.05, jitter_s=0.01))
+    p = install(FaultPlan())
+    yield p
+    install(FaultPlan())
+    set_default_policy(prev)
+
+
+def _exactly_once(out):
+    rows = _rows(out)
+    keys = [(r["doc_id"], r["task"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 3 * len(DOCS3), sorted(keys)
+    return _canon(rows)
+
+
+@pytest.mark.ray
+def test_drills_reply_lost_and_disk_full_exactly_once_equal_to_clean_run(ray_local, sample_model, tmp_path, plan):
+    src = _jsonl(tmp_path / "docs.jsonl", DOCS3)
+    extra = [f"input.path={src}", "input.id_field=id", "model.dtype=float32", *ONE_PER_PART]
+    _run("jobs/papers_jsonl.yaml", str(tmp_path / "clean"), extra, flush_docs=1)
+    clean = _exactly_once(str(tmp_path / "clean"))
+
+    # every part commit's rename lands but reports an error: the run completes, no row twice
+    out = f"faultfile://{tmp_path}/lost"
+    plan.reply_lost = 100
+    rep = _run("jobs/papers_jsonl.yaml", out, extra, flush_docs=1)
+    assert plan.injected["reply_lost"] >= 3 and rep["docs_ok"] == 3
+    assert _exactly_once(out) == clean
+
+    # the disk fills up after the first part: the job fails naming ENOSPC; space freed, rerun
+    out = f"faultfile://{tmp_path}/full"
+    install(FaultPlan(full_after_commits=1))
+    with pytest.raises(OSError) as ei:
+        _run("jobs/papers_jsonl.yaml", out, extra, flush_docs=1)
+    assert ei.value.errno == 28
+    first = _rows(out)
+    assert 0 < len(first) < 9 and len(first) % 3 == 0  # whole documents only
+    install(FaultPlan())
+    rep = _run("jobs/papers_jsonl.yaml", out, extra, flush_docs=1)
+    assert rep["docs_this_run"] == 3 - len(first) // 3
+    assert _exactly_once(out) == clean
+
+
+@pytest.mark.ray
+def test_appended_rows_and_raised_limit_are_processed_committed_not_redone(ray_local, sample_model, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    _jsonl(path, dict(list(DOCS3.items())[:2]))
+    out = str(tmp_path / "out")
+    extra = [f"input.path={path}", "input.id_field=id", "input.limit=1"]
+    assert _run("jobs/papers_jsonl.yaml", out, extra)["docs_ok"] == 1
+    rep = _run("jobs/papers_jsonl.yaml", out, extra[:2])  # limit lifted: not "nothing to do"
+    assert not rep.get("noop") and rep["docs_this_run"] == 1 and rep["docs_ok"] == 2
+    assert _run("jobs/papers_jsonl.yaml", out, extra[:2]).get("noop")  # nothing changed: nothing to do
+    with open(path, "a") as f:  # a row appended to the same file
+        f.write(json.dumps({"id": "gamma", "text": DOCS3["gamma"]}) + "\n")
+    rep = _run("jobs/papers_jsonl.yaml", out, extra[:2])
+    assert not rep.get("noop") and rep["docs_this_run"] == 1 and rep["docs_ok"] == 3
+    keys = [(r["doc_id"], r["task"]) for r in _rows(out)]
+    assert len(keys) == len(set(keys)) == 9
+
+
+# ------------------------------------------------------------------------ per-user cache
+def test_user_cache_dir_is_private_and_checked(tmp_path, monkeypatch):
+    from dlbatch.cache import secure_dir, user_cache_dir
+
+    monkeypatch.setenv("DLBATCH_CACHE", str(tmp_path / "c"))
+    d = user_cache_dir("native")
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700 and stat.S_IMODE(os.stat(d.parent).st_mode) == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    os.chmod(loose, 0o777)
+    assert stat.S_IMODE(os.stat(secure_dir(loose)).st_mode) == 0o700  # ours: tightened
+    (tmp_path / "link").symlink_to(loose)
+    with pytest.raises(PermissionError, match="symlink"):
+        secure_dir(tmp_path / "link")
+    if os.getuid() == 0:  # only root can give a directory to someone else
+        other = tmp_path / "other"
+        other.mkdir()
+        os.chown(other, 12345, 12345)
+        with pytest.raises(PermissionError, match="belongs to uid 12345"):
+            secure_dir(other)
+
+
+def test_native_helper_compiled_into_private_cache_and_recompiled_when_writable(tmp_path, monkeypatch):
+    import shutil
+
+    from dlbatch import native
+
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("DLBATCH_CACHE", str(tmp_path / "c"))
+    src = tmp_path / "_k.c"
+    src.write_text("int dl_k(int x) { return x + 1; }\n")
+    assert native.load(src).dl_k(41) == 42
+    (so,) = list((tmp_path / "c" / "native").glob("k-*.so"))
+    assert stat.S_IMODE(os.stat(so).st_mode) == 0o700
+    os.chmod(so, 0o777)  # someone could have written it: not loaded, compiled again
+    ino = os.stat(so).st_ino
+    assert native.load(src).dl_k(1) == 2
+    assert os.stat(so).st_ino != ino and stat.S_IMODE(os.stat(so).st_mode) == 0o700
+
+
+def test_remote_gguf_copy_goes_to_the_private_cache(tmp_path, monkeypatch):
+    import fsspec
+
+    from dlbatch.engine.loader import _local_copy
+
+    monkeypatch.setenv("DLBATCH_CACHE", str(tmp_path / "c"))
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(f"/storage-test-{os.getpid()}/m.gguf", b"GGUF fake")
+    dst = _local_copy(fs, f"/storage-test-{os.getpid()}/m.gguf")
+    assert dst.startswith(str(tmp_path / "c" / "remote")) and open(dst, "rb").read() == b"GGUF fake"
+    assert stat.S_IMODE(os.stat(os.path.dirname(dst)).st_mode) == 0o700
+
+
+# ----------------------------------------------------------------------------- shm
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _FakeWorker:
+    def __init__(self, node):
+        self.ping = _Remote(lambda: {"pid": 1, "node_id": node})
+        self.cleaned = []
+        self.shm_cleanup = _Remote(lambda close: self.cleaned.append(close) or [])
+
+
+def _runner(via):
+    from dlbatch.jobspec import load_job
+    from dlbatch.runner import JobRunner
+
+    r = JobRunner(load_job("jobs/papers_jsonl.yaml", []), progress=False)
+    r.kv_via = via
+    return r
+
+
+def test_shm_across_nodes_fails_at_start_naming_the_nodes(monkeypatch):
+    import ray
+
+    from dlbatch.runner import JobFailed
+
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
+    split = {"prefill": [_FakeWorker("aaaa")], "decode": [_FakeWorker("aaaa"), _FakeWorker("bbbb")]}
+    with pytest.raises(JobFailed, match=r"kv_transport='shm' needs every prefill and decode worker on one node.*"
+                                        r"2 nodes.*decode\[1\]"):
+        _runner("shm")._check_shm_same_node(split)
+    same = {"prefill": [_FakeWorker("aaaa")], "decode": [_FakeWorker("aaaa")]}
+    _runner("shm")._check_shm_same_node(same)  # one node: fine, and stale segments swept there
+    assert same["decode"][0].cleaned == [False]
+    _runner("object_store")._check_shm_same_node(split)  # other transports: not concerned
+
+
+def test_shm_cleanup_sweeps_dead_and_closes_own_pool():
+    from dlbatch.transfer import payload as P
+    from dlbatch.transfer import shm as S
+
+    meta = P.make_meta("fp-storage-test", "float32", 2, 4, 2, 8)
+    S.prewarm(meta, 2)
+    mine = [n for n in S.list_segments() if n.startswith(f"{S.PREFIX}{os.getpid()}_")]
+    assert len(mine) >= 2
+    dead = f"{S.PREFIX}999999999_{os.urandom(4).hex()}"  # a pid that cannot exist
+    with open(os.path.join(S.SHM_DIR, dead), "wb") as f:
+        f.write(b"\0" * 64)
+    assert dead in S.cleanup(close=False) and dead not in S.list_segments()
+    assert set(mine) <= set(S.list_segments())  # a live process's segments stay
+    S.cleanup(close=True)  # a graceful stop: this process's idle segments go
+    assert not set(mine) & set(S.list_segments())
