@@ -163,6 +163,7 @@ def inputs_signature(files: list[str], storage_options: dict | None = None, limi
 
 class JobRunner:
     compact_min_parts: int | None = COMPACT_MIN_PARTS  # merge small parts at job end when more exist; None/-1: never
+
     def __init__(self, spec, fresh: bool = False, plan: dict | None = None, progress: bool | None = None,
                  worker_options: dict | None = None, flush_docs: int = 16, flush_seconds: float = 5.0,
                  resource_timeout_s: float = 120.0, stall_timeout_s: float = 1800.0,
