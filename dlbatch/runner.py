@@ -274,10 +274,14 @@ class JobRunner:
                 raise JobFailed(f"cluster.kv_transport='rdt' needs the prefill and decode pools on the same kind of "
                                 f"device (one collective backend), got {pools['prefill'].device!r} and "
                                 f"{pools['decode'].device!r}; use object_store")
-            try:  # fail before any work starts, naming what is missing
-                get_transport(via, same_node=True, device=pools["prefill"].device, peer_device=pools["decode"].device)
-            except Exception as e:
-                raise JobFailed(f"cluster.kv_transport={via!r} cannot run here: {e}") from None
+            # fail before any work starts, naming what is missing; rdt on device pools is the
+            # workers' business (the driver may have no GPU): create_group fails clearly there
+            if not (via == "rdt" and not pools["prefill"].device.startswith("cpu")):
+                try:
+                    get_transport(via, same_node=True, device=pools["prefill"].device,
+                                  peer_device=pools["decode"].device)
+                except Exception as e:
+                    raise JobFailed(f"cluster.kv_transport={via!r} cannot run here: {e}") from None
         self.kv_via = via
         model_dir(spec.model.name)  # convert a GGUF once, before workers race for it
         started = start_ray(spec.cluster.address, dict(chips))

@@ -53,13 +53,25 @@ def decode_tables(meta, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     full = []
     for n, runs in zip(lens.tolist(), meta.decode_runs):
         # the runs start at the window's first position: the blocks before it are never read
-        first = max(0, n - window) // block_size if window else 0
-        blocks = [0] * first
-        for start, cnt in runs:
-            blocks.extend(range(start // block_size, (start + cnt - 1) // block_size + 1))
-        full.append(torch.tensor(blocks, dtype=torch.int32))
+        lo = max(0, n - window) if window else 0
+        full.append(torch.tensor(_blocks_of_runs(runs, lo, block_size), dtype=torch.int32))
     lens_i = lens.to(torch.int32)
     return _pad_rows(full, lens.device), lens_i
+
+
+def _blocks_of_runs(runs, lo: int, bs: int) -> list[int]:
+    """Block table of a sequence from its runs of consecutive slots covering positions
+    [lo, n) in order: one entry per block (entries before lo's block are 0, never read)."""
+    blocks = [0] * (lo // bs)
+    p = lo
+    for start, cnt in runs:
+        q = p
+        while q < p + cnt:
+            if q == lo or q % bs == 0:  # the first position of a block in this sequence
+                blocks.append((start + q - p) // bs)
+            q += bs - q % bs
+        p += cnt
+    return blocks
 
 
 def prefill_tables(meta, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
