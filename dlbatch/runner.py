@@ -196,7 +196,8 @@ class JobRunner:
                 role = p["role"]
                 base = c.pools().get(role) or c.prefill
                 pools[role] = PoolSpec(chip=p.get("chip_resource") or base.chip, replicas=int(p["replicas"]),
-                                       device=base.device, num_cpus=base.num_cpus, num_gpus=base.num_gpus)
+                                       device=base.device, num_cpus=base.num_cpus, num_gpus=base.num_gpus,
+                                       kv_cache_memory=base.kv_cache_memory)
             if "colocated" in pools and ("prefill" in pools or "decode" in pools):
                 raise JobFailed("plans that mix colocated and PD pools are run as PD only on this version: "
                                 f"{self.plan.get('pools')}")
