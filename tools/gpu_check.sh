@@ -39,10 +39,11 @@ print(f"pytest -m gpu: {tail}  (rc {test_rc}, {t_test} s)")
 path = os.path.join(out, "bench_engine.json")
 if bench_rc == 0 and os.path.exists(path):
     r = json.load(open(path))
+    pct = lambda v: "n/a" if v is None else f"{v:.1%}"
     for p in r.get("prefill", []):
-        print(f"prefill {p['tokens']:>5} tokens: MFU {p.get('ours_frac_peak', float('nan')):.1%}")
+        print(f"prefill {p['tokens']:>5} tokens: MFU {pct(p.get('ours_frac_peak'))}")
     for d in r.get("decode", []):
-        print(f"decode batch {d['batch']:>3}: HBM fraction {d.get('ours_frac_bw', float('nan')):.1%}")
+        print(f"decode batch {d['batch']:>3}: HBM fraction {pct(d.get('ours_frac_bw'))}")
     for k, v in r.items():
         if "overhead" in k:
             print(f"{k}: {v}")
