@@ -202,3 +202,42 @@ def test_whole_model_greedy_with_triton_ops(arch, tmp_path, monkeypatch):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert o.token_ids == ref[0, len(p):].tolist()
+
+
+def test_graph_runner_buffers_and_padding_with_emulated_replay(tmp_path, monkeypatch):
+    """GraphedModel's bucketing, persistent buffers and padding rows (length 0, slot -1),
+    with a stand-in for torch.cuda.CUDAGraph that re-runs the forward on the captured
+    buffers (what a replay does): greedy tokens equal those of the plain model while the
+    batch shrinks through several buckets."""
+    from dlbatch import LLM, SamplingParams
+    from dlbatch.engine.cuda_graph import GraphedModel
+    from dlbatch.engine.ops import registry
+    from tests.tiny_models import VOCAB, make_tiny_model
+
+    class Replayed(GraphedModel):
+        def _capture(self, b, kv_cache):
+            args = (self.ids[:b], self.pos[:b], kv_cache, self._meta(b), self.rows[:b])
+            out = self.model.forward(*args)
+            model = self.model
+
+            class Graph:
+                def replay(self):
+                    with torch.inference_mode():  # the captured output is an inference tensor
+                        out.copy_(model.forward(*args))
+
+            return Graph(), out
+
+    make_tiny_model("mistral", str(tmp_path))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 30))] for _ in range(4)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 3, 4, 6)]  # batch 4, 3, 2, 1
+    plain = LLM(str(tmp_path), dtype="float32", max_model_len=64, chat=False, max_num_seqs=8)  # CPU ops
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    registry._load_builtin()
+    for name, fn in cuda.IMPLS.items():
+        monkeypatch.setitem(registry._IMPLS, (name, "cpu"), fn)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, chat=False, max_num_seqs=8)
+    gm = Replayed(llm.engine.model, llm.config.block_size, llm.config.max_model_len, llm.config.max_num_seqs)
+    llm.engine.runner.model = gm
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert gm.replays > 0 and set(gm.graphs) == {1, 2, 4}
