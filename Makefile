@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 JOB ?= jobs/papers.yaml
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: setup run test test-all clean
+.PHONY: setup run test test-all gpu-check clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test: setup
 
 test-all: setup
 	$(BIN)/python -m pytest -q --durations=15
+
+# on a CUDA machine (triton comes with the test extra): op parity, whole model, graphs, PD, engine bench (< 8 min)
+gpu-check: setup
+	PY=$(BIN)/python bash tools/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -264,6 +264,38 @@ class PoolSpec(BaseModel):
     device: str = Field("cpu", pattern=r"^[a-z][a-z0-9_]*(:[0-9]+)?$")
     num_cpus: float = Field(1.0, ge=0.0)
     num_gpus: float = Field(0.0, ge=0.0)
+    # per worker: bytes ('8GiB', 8e9) or a fraction of the device's free memory (0.4, '40%');
+    # null: the engine's default (on CUDA: num_gpus' share of the device, see accelerators.md)
+    kv_cache_memory: Optional[Union[int, float, str]] = None
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_kv_memory(cls, value):
+        if value is not None:
+            from dlbatch.engine.config import parse_kv_memory
+
+            parse_kv_memory(value)  # raises naming the value
+        return value
+
+    @model_validator(mode="after")
+    def _check_device(self):
+        check_pool_device(self.device, self.num_gpus)
+        return self
+
+
+def check_pool_device(device: str, num_gpus: float) -> None:
+    """A CUDA pool must ask Ray for GPUs (Ray then sets each worker's CUDA_VISIBLE_DEVICES,
+    renumbering its GPUs from 0): ``cuda:N`` must index the worker's own GPUs."""
+    if not device.startswith("cuda"):
+        return
+    if num_gpus <= 0:
+        raise ValueError(f"device {device!r} needs num_gpus > 0 (Ray reserves GPUs only for pools that ask; "
+                         "e.g. num_gpus: 1, or 0.5 for two workers on one GPU)")
+    idx = device.partition(":")[2]
+    have = max(1, int(num_gpus))
+    if idx and int(idx) >= have:
+        raise ValueError(f"device {device!r} with num_gpus={num_gpus:g}: each worker sees its own GPU(s) as "
+                         f"cuda:0..cuda:{have - 1} (Ray sets CUDA_VISIBLE_DEVICES); use 'cuda'")
 
 
 _HOST_PORT_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")

@@ -256,7 +256,8 @@ class JobRunner:
                 role = p["role"]
                 base = c.pools().get(role) or c.prefill
                 pools[role] = PoolSpec(chip=p.get("chip_resource") or base.chip, replicas=int(p["replicas"]),
-                                       device=base.device, num_cpus=base.num_cpus, num_gpus=base.num_gpus)
+                                       device=base.device, num_cpus=base.num_cpus, num_gpus=base.num_gpus,
+                                       kv_cache_memory=base.kv_cache_memory)
             if "colocated" in pools and ("prefill" in pools or "decode" in pools):
                 raise JobFailed("plans that mix colocated and PD pools are run as PD only on this version: "
                                 f"{self.plan.get('pools')}")
@@ -375,18 +376,25 @@ class JobRunner:
         from dlbatch.transfer.base import get_transport
 
         via = spec.cluster.kv_transport
-        if via == "auto":  # rdt when both pools hold device tensors, else the object store
-            via = (get_transport("auto", device=pools["prefill"].device, peer_device=pools["decode"].device).name
-                   if "prefill" in pools else "object_store")
+        # auto on device pools: rdt or not is decided from what a task with each pool's resources
+        # reports (the driver may have no GPU; _decide_auto_transport); CPU pools: the object store
+        ask_workers = (via == "auto" and "prefill" in pools
+                       and not pools["prefill"].device.startswith("cpu") and not pools["decode"].device.startswith("cpu"))
+        if via == "auto":
+            via = "object_store"
         if "prefill" in pools and via in ("rdt", "dlslime", "shm"):
             if via == "rdt" and pools["prefill"].device.split(":")[0] != pools["decode"].device.split(":")[0]:
                 raise JobFailed(f"cluster.kv_transport='rdt' needs the prefill and decode pools on the same kind of "
                                 f"device (one collective backend), got {pools['prefill'].device!r} and "
                                 f"{pools['decode'].device!r}; use object_store")
-            try:  # fail before any work starts, naming what is missing
-                get_transport(via, same_node=True, device=pools["prefill"].device, peer_device=pools["decode"].device)
-            except Exception as e:
-                raise JobFailed(f"cluster.kv_transport={via!r} cannot run here: {e}") from None
+            # fail before any work starts, naming what is missing; rdt on device pools is the
+            # workers' business (the driver may have no GPU): create_group fails clearly there
+            if not (via == "rdt" and not pools["prefill"].device.startswith("cpu")):
+                try:
+                    get_transport(via, same_node=True, device=pools["prefill"].device,
+                                  peer_device=pools["decode"].device)
+                except Exception as e:
+                    raise JobFailed(f"cluster.kv_transport={via!r} cannot run here: {e}") from None
         self.kv_via = via
         model_dir(spec.model.name)  # convert a GGUF once, before workers race for it
         started = start_ray(spec.cluster.address, dict(chips))
@@ -396,6 +404,8 @@ class JobRunner:
         self.needed_resources = {chip_resource(p.chip): role for role, p in pools.items()}
         try:
             self._wait_for_resources(time.time())
+            if ask_workers:
+                self._decide_auto_transport(pools)
             use_rdt = "prefill" in pools and self.kv_via == "rdt"
             for role, pool in pools.items():
                 cls = make_worker_class(role, tensor_transport=use_rdt)
@@ -405,7 +415,9 @@ class JobRunner:
                 wspec = WorkerSpec(model=spec.model.name, dtype=spec.model.dtype, device=pool.device,
                                    max_model_len=spec.model.max_model_len, chat=spec.model.chat, num_threads=threads,
                                    max_num_batched_tokens=max(512, min(spec.batching.max_batch_tokens, 4096)),
-                                   kv_transport=self.kv_via)
+                                   kv_transport=self.kv_via,
+                                   kv_cache_memory=pool.kv_cache_memory,
+                                   device_share=pool.num_gpus if 0 < pool.num_gpus < 1 else 1.0)
                 opts = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources={chip_resource(pool.chip): 1},
                             max_restarts=MAX_RESTARTS, max_task_retries=0)
                 workers[role] = [cls.options(**opts).remote(wspec, **self.worker_options) for _ in range(pool.replicas)]
@@ -433,6 +445,30 @@ class JobRunner:
                     except Exception:  # already gone
                         pass
             shutdown_ray(started)
+
+    def _decide_auto_transport(self, pools) -> None:
+        """kv_transport=auto on device pools: one Ray task per PD pool, with the pool's own
+        resources, reports what its workers will see (device after Ray's renumbering, CUDA,
+        whether RDT runs there); rdt when all can (transfer/base.py auto_from_workers). The
+        driver's own devices do not matter. Decided before the workers exist, so a worker
+        Ray restarts gets the same transport from its spec."""
+        import ray
+
+        from dlbatch.session import chip_resource
+        from dlbatch.transfer.base import auto_from_workers
+        from dlbatch.workers import probe_device
+
+        probe = ray.remote(probe_device)
+        refs = [probe.options(num_cpus=pools[r].num_cpus, num_gpus=pools[r].num_gpus,
+                              resources={chip_resource(pools[r].chip): 1}).remote(pools[r].device)
+                for r in ("prefill", "decode")]
+        try:
+            infos = ray.get(refs, timeout=300)
+        except ray.exceptions.GetTimeoutError:
+            raise JobFailed("kv_transport=auto: the prefill/decode pools' resources did not come up within 300 s "
+                            "to probe their devices; set cluster.kv_transport explicitly") from None
+        self.kv_via, why = auto_from_workers(infos)
+        log.info("kv_transport auto -> %s (%s)", self.kv_via, why)
 
     # ------------------------------------------------------------------------------------
     def _dispatcher(self, workers: dict):

@@ -33,6 +33,8 @@ class WorkerSpec:
     storage_options: dict | None = None
     kv_transport: str = "object_store"  # how prefill workers hand KV to decode workers
     kv_timeout_s: float = 120.0  # longest wait for a KV transfer (put, receive) before it fails
+    device_share: float = 1.0  # the pool's num_gpus when below 1 (workers sharing a device)
+    enforce_eager: bool = False
 
 
 # transports fed layer by layer from inside the prefill forward (dlbatch/transfer/sink.py);
@@ -49,6 +51,37 @@ def request_params(r: dict):
                           ignore_eos=bool(r.get("ignore_eos", False)))
 
 
+def local_device(device: str) -> str:
+    """The pool's device string as this process sees it (Ray renumbers an actor's GPUs)."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    from dlbatch.engine.device import resolve_device
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return resolve_device(device, os.environ.get("CUDA_VISIBLE_DEVICES"), count)
+
+
+def device_info(device: str) -> dict:
+    """Where this worker's tensors live and whether RDT can move them."""
+    import torch
+
+    from dlbatch.transfer import rdt
+
+    return {"device": device, "cuda": torch.cuda.is_available(),
+            "rdt": rdt.unavailable_reason(device) if device != "cpu" else "a CPU worker"}
+
+
+def probe_device(device: str) -> dict:
+    """Ray task body run with a pool's exact resources (GPUs, chip) before its workers are
+    made: ``device_info`` as a worker of that pool will see it (kv_transport=auto)."""
+    try:
+        return device_info(local_device(device))
+    except ValueError as e:
+        return {"device": device, "cuda": False, "rdt": str(e)}
+
+
 class EngineLoop:
     """Owns an LLM; one thread runs `step()` while calls enqueue work and wait on futures."""
 
@@ -59,11 +92,13 @@ class EngineLoop:
 
         torch.set_num_threads(max(1, spec.num_threads))
         self.role = role
+        self.device = local_device(spec.device)
         self.spec = spec
-        self.llm = LLM(spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
+        self.llm = LLM(spec.model, dtype=spec.dtype, device=self.device, max_model_len=spec.max_model_len,
                        chat=spec.chat, kv_cache_memory=spec.kv_cache_memory, block_size=spec.block_size,
                        max_num_batched_tokens=spec.max_num_batched_tokens, max_num_seqs=spec.max_num_seqs,
-                       storage_options=spec.storage_options)
+                       storage_options=spec.storage_options, device_share=spec.device_share,
+                       enforce_eager=spec.enforce_eager)
         self.engine = self.llm.engine
         self.inbox: queue.Queue = queue.Queue()
         self.futures: dict[int, tuple[Future, object]] = {}
@@ -103,7 +138,7 @@ class EngineLoop:
 
     @property
     def kv_via(self) -> str:
-        # auto: the object store (works across nodes); shm/rdt/dlslime only when asked for
+        # auto: the object store (the runner resolves auto before it makes PD workers)
         return self.spec.kv_transport if self.spec.kv_transport != "auto" else "object_store"
 
     def _open_sink(self, num_tokens: int):
@@ -212,7 +247,7 @@ class EngineLoop:
         if name not in self._transports:
             from dlbatch.transfer.base import get_transport
 
-            self._transports[name] = get_transport(name, same_node=True, device=self.spec.device)
+            self._transports[name] = get_transport(name, same_node=True, device=self.device)
         return self._transports[name]
 
     def _result(self, seq) -> dict:
@@ -310,6 +345,9 @@ class _WorkerBase:
     def stats(self) -> dict:
         return self.loop.stats()
 
+    def device_info(self) -> dict:
+        return device_info(self.loop.device)
+
 
 class ColocatedWorkerImpl(_WorkerBase):
     ROLE = "colocated"
@@ -340,7 +378,6 @@ class DecodeWorkerImpl(_WorkerBase):
         """kv_transport=rdt: ``kv`` is the prefill worker's ``rdt_export`` result (moved by
         Ray's tensor transport); otherwise as ``decode``."""
         from dlbatch.transfer import rdt
-        from dlbatch.transfer.payload import KVPayload, tensor_to_numpy
 
         joined = []
         for p in prefilled:
@@ -351,8 +388,10 @@ class DecodeWorkerImpl(_WorkerBase):
                          f"request {p['request_id']} to send over RDT (restarted, or the KV was dropped)"}
                 else:
                     try:
-                        meta, tensors = rdt.unpack(obj, expected_fingerprint=self.loop.llm.fingerprint)
-                        p = {**p, "kv": KVPayload(meta, [tensor_to_numpy(t) for t in tensors])}
+                        # checked here (fingerprint, shapes, dtype); the tensors stay where the
+                        # collective put them (the device) and go straight into the cache
+                        _, tensors = rdt.unpack(obj, expected_fingerprint=self.loop.llm.fingerprint)
+                        p = {**p, "kv": None, "kv_layers": list(tensors), "kv_release": None}
                     except Exception as e:
                         p = {"request_id": p["request_id"], "error": f"{type(e).__name__}: {e}"}
             joined.append(p)
@@ -377,6 +416,9 @@ class DecodeWorkerImpl(_WorkerBase):
                                         "finish_reason": p["finish_reason"], "prompt_tokens": len(p["token_ids"]),
                                         "output_tokens": 1, "cached_tokens": p.get("cached_tokens", 0),
                                         "ttft_s": p.get("ttft_s"), "latency_s": p.get("ttft_s")}
+                continue
+            if p.get("kv_layers") is not None:  # RDT: already received and checked
+                work.append({**base, **p})
                 continue
             try:
                 work.append(self.loop.receive_kv({**base, **p}))

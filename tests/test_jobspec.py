@@ -99,7 +99,8 @@ def test_defaults_match_the_documented_job(tmp_path, monkeypatch):
     assert spec.retries.max_attempts == 3
     c = spec.cluster
     assert c.address is None and c.plan is None and c.colocated is None and c.kv_transport == "auto"
-    assert c.prefill.model_dump() == {"chip": "fast", "replicas": 1, "device": "cpu", "num_cpus": 1.0, "num_gpus": 0.0}
+    assert c.prefill.model_dump() == {"chip": "fast", "replicas": 1, "device": "cpu", "num_cpus": 1.0, "num_gpus": 0.0,
+                                      "kv_cache_memory": None}
     assert c.decode.chip == "cheap"
 
 

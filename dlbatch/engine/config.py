@@ -148,19 +148,46 @@ def parse_memory(value: int | float | str | None, what: str = "kv_cache_memory")
     raise ValueError(f"{what}: cannot parse {value!r} (use bytes or e.g. '2GiB', '512MB')")
 
 
+def parse_kv_memory(value: int | float | str | None) -> int | float | None:
+    """kv_cache_memory: bytes (int, or '2GiB'), or a fraction of the free device memory
+    (a float in (0, 1], '0.5' or '50%'), returned as a float."""
+    if isinstance(value, bool):
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r}")
+    if isinstance(value, float) and value <= 1.0:
+        if value <= 0:
+            raise ValueError(f"kv_cache_memory fraction must be in (0, 1], got {value!r}")
+        return value
+    if isinstance(value, str):
+        s = value.strip()
+        frac = None
+        try:
+            frac = float(s[:-1]) / 100 if s.endswith("%") else (float(s) if "." in s else None)
+        except ValueError:
+            frac = None
+        if frac is not None:
+            if not 0.0 < frac <= 1.0:
+                raise ValueError(f"kv_cache_memory fraction must be in (0, 1], got {value!r}")
+            return frac
+    return parse_memory(value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     max_model_len: int = 8192
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: sized from max_num_seqs * max_model_len (capped)
+    # bytes (int) or a fraction of free device memory (float in (0, 1]); None: CPU: sized from
+    # max_num_seqs * max_model_len (capped), CUDA: engine/device.py kv_cache_bytes
+    kv_cache_memory: int | float | None = None
+    device_share: float = 1.0  # this worker's share of its device (a pool's num_gpus < 1)
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     admission: str = "reserve"  # reserve (prompt+max_tokens blocks up front) | greedy (recompute-preemption)
     allow_upcast: bool = True  # CPU without native bf16/fp16 matmul: compute in fp32 (see engine/device.py)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (engine/cuda_graph.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

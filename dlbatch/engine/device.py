@@ -38,3 +38,52 @@ def compute_dtype(dtype_name: str, device_type: str, allow_upcast: bool = True) 
                  dtype_name)
         return "float32"
     return dtype_name
+
+
+# KV cache size on CUDA when none is asked for: this share of the device's memory (times
+# the worker's share of the device), less what the worker already holds (its weights).
+DEFAULT_CUDA_KV_FRACTION = 0.85
+
+
+def kv_cache_bytes(setting: int | float | None, free: int, total: int, own: int = 0,
+                   share: float = 1.0) -> int | None:
+    """Bytes of KV cache for a worker. ``setting``: int bytes, float in (0, 1] a fraction
+    of the ``free`` memory (device or host) seen at start, None the device default: the
+    worker's ``share`` of the device (a pool's ``num_gpus`` below 1: two workers at 0.5
+    each fit) times DEFAULT_CUDA_KV_FRACTION of ``total``, less ``own`` (memory the worker
+    already allocated), never more than ``free``."""
+    if setting is None:
+        share = min(1.0, share) if share > 0 else 1.0
+        return max(0, min(int(free * 0.95), int(total * DEFAULT_CUDA_KV_FRACTION * share) - own))
+    if isinstance(setting, float):
+        if not 0.0 < setting <= 1.0:
+            raise ValueError(f"kv_cache_memory fraction must be in (0, 1], got {setting!r}")
+        return int(free * setting)
+    return int(setting)
+
+
+def resolve_device(device: str, visible: str | None, count: int) -> str:
+    """The device string to use inside this process. Ray gives an actor with ``num_gpus``
+    its GPUs by setting CUDA_VISIBLE_DEVICES, so inside it they are ``cuda:0..count-1``
+    whatever their physical ids: ``cuda`` is ``cuda:0``; ``cuda:N`` beyond ``count`` that
+    names a visible physical id maps to its local index; anything else is an error naming
+    the value."""
+    if not device.startswith("cuda"):
+        return device
+    if count == 0:
+        raise ValueError(f"device {device!r}: no CUDA device is visible in this process "
+                         f"(CUDA_VISIBLE_DEVICES={visible!r}); give the pool num_gpus > 0")
+    if device == "cuda":
+        return "cuda:0"
+    idx_s = device.partition(":")[2]
+    if not idx_s.isdigit():
+        raise ValueError(f"device {device!r} is not 'cuda' or 'cuda:N'")
+    idx = int(idx_s)
+    if idx < count:
+        return device
+    ids = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if idx_s in ids and ids.index(idx_s) < count:
+        return f"cuda:{ids.index(idx_s)}"
+    raise ValueError(f"device {device!r}: this process sees {count} CUDA device(s) (cuda:0..cuda:{count - 1}, "
+                     f"CUDA_VISIBLE_DEVICES={visible!r}); under Ray a worker's GPUs are renumbered from 0, so use "
+                     "'cuda' (or 'cuda:K' for K < num_gpus)")

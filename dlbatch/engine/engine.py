@@ -22,6 +22,20 @@ log = logging.getLogger("dlbatch.engine")
 _DEFAULT_CPU_KV_BYTES = 3 << 30  # lazily zeroed pages: only what is used costs memory
 
 
+def _host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (a kv_cache_memory fraction on CPU is of this)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, op_overrides: dict | None = None):
         self.loaded = loaded
@@ -42,6 +56,14 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, self.mconf, config, self.num_blocks)
+        if device.type == "cuda" and not config.enforce_eager:
+            from dlbatch.engine.cuda_graph import GraphedModel, graphs_supported
+
+            if graphs_supported(self.ops):
+                self.runner.model = GraphedModel(self.model, config.block_size, config.max_model_len,
+                                                 config.max_num_seqs)
+            else:
+                log.info("decode runs eagerly: CUDA graphs need the CUDA ops (ops: %s)", self.ops.describe())
         self.scheduler.on_admit = self._on_admit
         self._done_imports: list[Sequence] = []
         self.eos_ids = set(self.mconf.eos_token_ids) | set(self.tokenizer.eos_token_ids)
@@ -53,11 +75,15 @@ class LLMEngine:
         per_block = ModelRunner.bytes_per_block(self.mconf, c.block_size, dtype)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
-        if c.kv_cache_memory is not None:
-            n = c.kv_cache_memory // per_block
-        elif device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            n = int(free * 0.85) // per_block
+        from dlbatch.engine.device import kv_cache_bytes
+
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            n = kv_cache_bytes(c.kv_cache_memory, free, total, torch.cuda.memory_allocated(device),
+                               c.device_share) // per_block
+        elif c.kv_cache_memory is not None:
+            free = _host_available_bytes() if isinstance(c.kv_cache_memory, float) else 0
+            n = kv_cache_bytes(c.kv_cache_memory, free, free) // per_block
         else:
             want = c.max_num_seqs * -(-c.max_model_len // c.block_size)  # every sequence at full length
             n = min(want, _DEFAULT_CPU_KV_BYTES // per_block)

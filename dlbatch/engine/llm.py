@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from dlbatch.engine.config import EngineConfig, parse_memory
+from dlbatch.engine.config import EngineConfig, parse_kv_memory
 from dlbatch.engine.engine import LLMEngine
 from dlbatch.engine.loader import load_model
 from dlbatch.engine.outputs import RequestOutput
@@ -20,11 +20,12 @@ log = logging.getLogger("dlbatch")
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", dtype: str = "bfloat16", device: str = "cpu",
-                 max_model_len: int | None = None, kv_cache_memory: int | str | None = None,
+                 max_model_len: int | None = None, kv_cache_memory: int | float | str | None = None,
                  chat: bool | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True, admission: str = "reserve",
                  num_kv_blocks: int | None = None, storage_options: dict | None = None,
-                 op_overrides: dict | None = None, num_threads: int | None = None, allow_upcast: bool = True):
+                 op_overrides: dict | None = None, num_threads: int | None = None, allow_upcast: bool = True,
+                 enforce_eager: bool = False, device_share: float = 1.0):
         import torch
 
         if num_threads:
@@ -35,10 +36,11 @@ class LLM:
             raise ValueError(f"max_model_len {mml} exceeds the model's max_position_embeddings "
                              f"{loaded.config.max_position_embeddings}")
         config = EngineConfig(dtype=dtype, device=device, max_model_len=mml, block_size=block_size,
-                              kv_cache_memory=parse_memory(kv_cache_memory), num_kv_blocks=num_kv_blocks,
+                              kv_cache_memory=parse_kv_memory(kv_cache_memory), num_kv_blocks=num_kv_blocks,
                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                               enable_prefix_caching=enable_prefix_caching, admission=admission,
-                              allow_upcast=allow_upcast)
+                              allow_upcast=allow_upcast, enforce_eager=enforce_eager,
+                              device_share=device_share)
         self.model_name = model
         self.engine = LLMEngine(loaded, config, op_overrides)
         self.tokenizer = self.engine.tokenizer

@@ -110,8 +110,12 @@ class Transformer:
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         qs, ks = c.q_size, c.kv_size
+        delta = None  # the previous layer's MLP output, added to h by the fused norm below
         for li, L in enumerate(self.layers):
-            x = ops.rms_norm(h, L.in_norm, c.rms_norm_eps)
+            if delta is None:
+                x = ops.rms_norm(h, L.in_norm, c.rms_norm_eps)
+            else:
+                x, h = ops.add_rms_norm(delta, h, L.in_norm, c.rms_norm_eps)
             qkv = F.linear(x, L.qkv_w, L.qkv_b)
             q = qkv[:, :qs].view(T, c.num_heads, c.head_dim)
             k = qkv[:, qs:qs + ks].view(T, c.num_kv_heads, c.head_dim)
@@ -119,9 +123,8 @@ class Transformer:
             if L.q_norm is not None:
                 q = ops.rms_norm(q, L.q_norm, c.rms_norm_eps)
                 k = ops.rms_norm(k, L.k_norm, c.rms_norm_eps)
-            q, k = ops.rotary(q, k, cos, sin)
             k_cache, v_cache = kv_cache[0, li], kv_cache[1, li]
-            ops.store_kv(k_cache, v_cache, k, v, meta.slots)
+            q, k = ops.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slots)
             if meta.on_layer is not None:  # layer-wise KV streaming (prefill-only sequences)
                 meta.on_layer(li)
             if tp == T:
@@ -131,9 +134,10 @@ class Transformer:
             else:
                 attn = torch.cat([ops.prefill_attention(q[:tp], k[:tp], v[:tp], k_cache, v_cache, meta),
                                   ops.paged_decode_attention(q[tp:], k_cache, v_cache, meta)], 0)
-            h = h + F.linear(attn.reshape(T, qs), L.o_w, L.o_b)
-            x = ops.rms_norm(h, L.post_norm, c.rms_norm_eps)
-            h = h + F.linear(ops.silu_and_mul(F.linear(x, L.gate_up_w)), L.down_w)
+            x, h = ops.add_rms_norm(F.linear(attn.reshape(T, qs), L.o_w, L.o_b), h, L.post_norm, c.rms_norm_eps)
+            delta = F.linear(ops.silu_and_mul(F.linear(x, L.gate_up_w)), L.down_w)
+        if delta is not None:
+            h = h + delta
         h = h.index_select(0, logits_indices)
         h = ops.rms_norm(h, self.norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

@@ -185,6 +185,9 @@ class ModelRunner:
         elif tuple(out.shape) != shape or out.dtype != self.kv_cache.dtype:
             raise ValueError(f"KV sink buffer for layer {li} is {tuple(out.shape)} {out.dtype}, "
                              f"expected {shape} {self.kv_cache.dtype}")
+        elif out.device != self.kv_cache.device:  # index_select cannot write across devices
+            out.copy_(self.export_layer(idx, li))
+            return out
         # K and V of a layer are each contiguous (slots, Hkv, D); gathering from the strided
         # (2, slots, Hkv, D) view instead made torch copy the whole layer of the cache first
         # (~2 s per exported sequence with a 3 GiB cache)
@@ -200,7 +203,9 @@ class ModelRunner:
     def _stream_layer(self, streams, li: int) -> None:
         for seq, idx in streams:
             sink = seq.kv_sink
-            buf = sink.layer_buffer(li) if hasattr(sink, "layer_buffer") else None
+            # a CUDA layer is gathered on the device and staged by the sink (transfer/sink.py)
+            lend = hasattr(sink, "layer_buffer") and self.device.type == "cpu"
+            buf = sink.layer_buffer(li) if lend else None
             sink.send_layer(li, self.export_layer(idx, li, buf))
 
     def import_kv_layer(self, seq, layer: int, kv: torch.Tensor, start: int = 0) -> None:

@@ -166,6 +166,25 @@ class Transport(ABC):
         return validate(payload, expected_fingerprint, verify=False)
 
 
+def auto_from_workers(infos: list[dict]) -> tuple[str, str]:
+    """kv_transport=auto for PD pools, decided from what the running workers report
+    (``dlbatch.workers.device_info``: device, CUDA availability, why RDT cannot run there),
+    not from the driver, which may have no GPU: ``rdt`` when every prefill and decode
+    worker holds device tensors of one device kind and can run RDT; else
+    ``object_store``. Returns (name, reason)."""
+    if not infos:
+        return "object_store", "no workers reported"
+    kinds = {str(i.get("device", "cpu")).split(":")[0] for i in infos}
+    blocked = [i for i in infos if i.get("rdt")]
+    if "cpu" in kinds:
+        return "object_store", "a worker holds its KV on the CPU"
+    if len(kinds) > 1:
+        return "object_store", f"workers on different device kinds {sorted(kinds)}"
+    if blocked:
+        return "object_store", f"RDT unavailable on a {blocked[0].get('device')} worker: {blocked[0]['rdt']}"
+    return "rdt", f"every worker holds {kinds.pop()} tensors and can run RDT"
+
+
 def get_transport(
     name: str = "auto",
     *,

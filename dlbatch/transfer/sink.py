@@ -8,6 +8,13 @@ while layer ``i`` travels. When the sender can lend its own memory (``layer_buff
 shm), the engine gathers the layer straight into it and the copy into the segment
 disappears.
 
+A layer on a CUDA device is staged: a copy into a pinned host buffer is queued on a
+side stream (after the gather that made the layer, on the engine's stream) and an event
+recorded; the background thread waits for that event, then hands the host copy (or, for
+a sender that lends memory, copies it into that memory) to the sender. The forward never
+waits for a device-to-host copy. The engine does not gather a CUDA layer into lent host
+memory (``index_select`` cannot write across devices). A CPU layer takes neither step.
+
 ``finish(timeout)`` waits for the stream and returns the sender's handle (what the
 receiver needs); ``abort()`` drops everything. The engine imports nothing of this module.
 """
@@ -61,6 +68,18 @@ class TransportSink:
         return t.view(want) if t.dtype != want else t
 
     def send_layer(self, i: int, kv) -> None:
+        if getattr(kv, "is_cuda", False):
+            host, event = stage_to_host(kv)
+            with self._lock:
+                job = (lambda: self._send_staged(i, host, event))
+                if self._pool is None:
+                    job()
+                    fut: Future = Future()
+                    fut.set_result(None)
+                else:
+                    fut = self._pool.submit(job)
+                self._futures.append(fut)
+            return
         arr = tensor_to_numpy(kv)  # a view of kv (kept alive by the array) unless it must move to CPU
         with self._lock:
             if self._pool is None:
@@ -70,6 +89,14 @@ class TransportSink:
             else:
                 fut = self._pool.submit(self.sender.send_layer, i, arr)
             self._futures.append(fut)
+
+    def _send_staged(self, i: int, host, event) -> None:
+        event.synchronize()  # the side stream's copy of layer i has landed in `host`
+        dst = self.layer_buffer(i)
+        if dst is not None:  # the sender's own memory (shm, dlslime): one host copy into it
+            dst.copy_(host)
+            host = dst
+        self.sender.send_layer(i, tensor_to_numpy(host))
 
     def finish(self, timeout: float = 60.0):
         """Wait until every layer was handed over; close the sender; return its handle."""
@@ -99,3 +126,27 @@ class TransportSink:
         self._futures.clear()
         if self._sender is not None:  # never opened: nothing to free
             self._sender.abort()
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def stage_to_host(kv):
+    """Queue a copy of the CUDA tensor ``kv`` into a new pinned host tensor on a side
+    stream of its device (ordered after the work already queued on the current stream);
+    returns (host tensor, event recorded after the copy). ``kv``'s memory is kept for the
+    side stream (``record_stream``) so the caching allocator does not reuse it early."""
+    import torch
+
+    dev = kv.device
+    side = _SIDE_STREAMS.get(dev)
+    if side is None:
+        side = _SIDE_STREAMS[dev] = torch.cuda.Stream(device=dev)
+    host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        host.copy_(kv, non_blocking=True)
+        kv.record_stream(side)
+        event = torch.cuda.Event()
+        event.record(side)
+    return host, event

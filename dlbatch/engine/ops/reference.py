@@ -20,6 +20,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
+@register_op("add_rms_norm")
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """h = x + residual; returns (rms_norm(h), h). Fused on devices that register it."""
+    h = residual + x
+    return rms_norm(h, weight, eps), h
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -44,6 +51,15 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     hk, d = k_cache.shape[-2:]
     k_cache.view(-1, hk, d).index_copy_(0, slots, k)
     v_cache.view(-1, hk, d).index_copy_(0, slots, v)
+
+
+@register_op("rotary_store_kv")
+def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots):
+    """rotary on q and k, then k and v into the cache at `slots`; returns (q, k). Fused
+    (in place, one kernel) on devices that register it."""
+    q, k = rotary(q, k, cos, sin)
+    store_kv(k_cache, v_cache, k, v, slots)
+    return q, k
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -6,7 +6,9 @@ from typing import Callable
 
 OP_NAMES = (
     "rms_norm",
+    "add_rms_norm",
     "rotary",
+    "rotary_store_kv",
     "silu_and_mul",
     "store_kv",
     "prefill_attention",
@@ -52,7 +54,9 @@ def _load_builtin() -> None:
 class Ops:
     device_type: str
     rms_norm: Callable
+    add_rms_norm: Callable
     rotary: Callable
+    rotary_store_kv: Callable
     silu_and_mul: Callable
     store_kv: Callable
     prefill_attention: Callable

@@ -1,0 +1,123 @@
+"""CUDA ops: the Triton kernels of dlbatch/engine/ops/triton_kernels.py as registry ops.
+
+Registered only when Triton is installed (``pip install dlbatch[gpu]``); without it a CUDA
+engine runs the reference ops. Triton is not imported here until an op first runs, so a
+CPU engine never pays for it.
+
+Attention metadata. The kernels read the paged cache through block tables, never a
+gathered copy. They take tensors, looked up on the step's ``AttnMeta``:
+
+- decode: ``decode_block_tables`` (B, W) int32 and ``decode_lens`` (B,) keys visible to
+  each sequence's new token (its position + 1);
+- prefill: ``prefill_block_tables`` (S, W) int32, ``prefill_cu_q`` (S+1,) int32 (row
+  offsets of each sequence's new tokens in q), ``prefill_ctx`` (S,) int32 (position of
+  its first new token) and ``prefill_max_new`` (int).
+
+When a step's metadata does not carry them (the runner builds the forms its chosen op
+needs), :func:`decode_tables` / :func:`prefill_tables` derive them from the reference
+forms: the per-sequence slot runs of a decode and the slot lists of a prefill; one small
+op per sequence, never per token.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from dlbatch.engine.ops.registry import register_op
+
+AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def _kernels():
+    from dlbatch.engine.ops import triton_kernels
+
+    return triton_kernels
+
+
+def _pad_rows(rows: list[torch.Tensor], device) -> torch.Tensor:
+    width = max((r.numel() for r in rows), default=0)
+    out = torch.zeros((len(rows), max(1, width)), dtype=torch.int32, device=device)
+    for i, r in enumerate(rows):
+        out[i, :r.numel()] = r
+    return out
+
+
+def decode_tables(meta, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_tables (B, W) int32, seq_lens (B,) int32) of a decode step."""
+    tables = getattr(meta, "decode_block_tables", None)
+    lens = meta.decode_lens
+    if tables is not None:
+        return tables, lens.to(torch.int32)
+    window = meta.sliding_window
+    full = []
+    for n, runs in zip(lens.tolist(), meta.decode_runs):
+        # the runs start at the window's first position: the blocks before it are never read
+        lo = max(0, n - window) if window else 0
+        full.append(torch.tensor(_blocks_of_runs(runs, lo, block_size), dtype=torch.int32))
+    lens_i = lens.to(torch.int32)
+    return _pad_rows(full, lens.device), lens_i
+
+
+def _blocks_of_runs(runs, lo: int, bs: int) -> list[int]:
+    """Block table of a sequence from its runs of consecutive slots covering positions
+    [lo, n) in order: one entry per block (entries before lo's block are 0, never read)."""
+    blocks = [0] * (lo // bs)
+    p = lo
+    for start, cnt in runs:
+        q = p
+        while q < p + cnt:
+            if q == lo or q % bs == 0:  # the first position of a block in this sequence
+                blocks.append((start + q - p) // bs)
+            q += bs - q % bs
+        p += cnt
+    return blocks
+
+
+def prefill_tables(meta, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(block_tables (S, W) int32, cu_q (S+1,) int32, ctx (S,) int32, max_new) of the
+    prefill chunks of a step."""
+    tables = getattr(meta, "prefill_block_tables", None)
+    if tables is not None:
+        return tables, meta.prefill_cu_q, meta.prefill_ctx, int(meta.prefill_max_new)
+    dev = meta.slots.device
+    rows, cu, ctx = [], [0], []
+    for (qs, n, c, gather) in meta.prefill:
+        slots = gather if gather is not None else meta.slots[qs:qs + n]  # gather: the whole context
+        rows.append((slots[::block_size] // block_size).to(torch.int32))
+        cu.append(qs + n)
+        ctx.append(c)
+    max_new = max((n for _, n, _, _ in meta.prefill), default=0)
+    return (_pad_rows(rows, dev), torch.tensor(cu, dtype=torch.int32, device=dev),
+            torch.tensor(ctx, dtype=torch.int32, device=dev), max_new)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _kernels().add_rms_norm(x, None, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    return _kernels().add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots):
+    return _kernels().rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+
+
+def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+    tables, cu_q, ctx, max_new = prefill_tables(meta, k_cache.shape[1])
+    return _kernels().paged_prefill(q, k_cache, v_cache, tables, cu_q, ctx, max_new, meta.sliding_window)
+
+
+def paged_decode_attention(q, k_cache, v_cache, meta) -> torch.Tensor:
+    tables, lens = decode_tables(meta, k_cache.shape[1])
+    scratch = getattr(meta, "decode_scratch", None)
+    return _kernels().paged_decode(q, k_cache, v_cache, tables, lens, meta.sliding_window, scratch=scratch)
+
+
+IMPLS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rotary_store_kv": rotary_store_kv,
+         "prefill_attention": prefill_attention, "paged_decode_attention": paged_decode_attention}
+
+if AVAILABLE:
+    for _name, _fn in IMPLS.items():
+        register_op(_name, "cuda")(_fn)
