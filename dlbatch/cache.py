@@ -57,7 +57,7 @@ def cache_candidates() -> list[Path]:
         out.append(Path.home() / ".cache" / "dlbatch")
     except RuntimeError:  # no home directory (HOME unset, no passwd entry)
         pass
-    return out + [Path(tempfile.gettempdir()) / f"dlbatch-{_uid() or 'u'}"]
+    return out + [Path(tempfile.gettempdir()) / f"dlbatch-{'u' if _uid() is None else _uid()}"]
 
 
 def user_cache_dir(sub: str | None = None) -> Path:
