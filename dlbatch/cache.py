@@ -52,7 +52,12 @@ def cache_candidates() -> list[Path]:
     env = os.environ.get("DLBATCH_CACHE") or os.environ.get("DLBATCH_CACHE_DIR")
     if env:
         return [Path(env)]
-    return [Path.home() / ".cache" / "dlbatch", Path(tempfile.gettempdir()) / f"dlbatch-{_uid() or 'u'}"]
+    out = []
+    try:
+        out.append(Path.home() / ".cache" / "dlbatch")
+    except RuntimeError:  # no home directory (HOME unset, no passwd entry)
+        pass
+    return out + [Path(tempfile.gettempdir()) / f"dlbatch-{'u' if _uid() is None else _uid()}"]
 
 
 def user_cache_dir(sub: str | None = None) -> Path:

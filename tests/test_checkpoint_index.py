@@ -240,3 +240,14 @@ def test_inputs_fingerprint_sees_appends_new_files_and_limit(tmp_path):
     assert inputs_fingerprint(list_inputs(str(src), "jsonl")) != sig2
     os.utime(src / "a.jsonl", (1, 1))  # same size, another version
     assert inputs_fingerprint(files) != sig2
+
+
+def test_status_bench_smoke(tmp_path):
+    from dlbatch.cli import main
+
+    out = tmp_path / "r.json"
+    assert main(["bench", "status", "--quick", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert (r["docs"], r["parts"], r["parts_after_compaction"]) == (2000, 125, 1)
+    assert r["compaction"]["merged_parts"] == 125
+    assert all(r[k] > 0 for k in ("baseline_s", "index_compacted_s", "status_s", "resume_s"))

@@ -29,6 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--part-docs", type=int, default=16, help="documents per committed part (default 16)")
     p.add_argument("--output-chars", type=int, default=600, help="characters per output (default 600)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per figure (median; default 3)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2000 documents, one repeat")
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed at the end)")
 
 
@@ -100,6 +101,8 @@ def run(args) -> int:
     from dlbatch.cli_jobs import job_status
     from dlbatch.jobspec import load_job
 
+    if args.quick:
+        args.docs, args.repeat = 2000, 1
     work = args.dir or tempfile.mkdtemp(prefix="dlbatch-bench-status-")
     os.makedirs(work, exist_ok=True)
     try:
