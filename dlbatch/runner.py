@@ -10,7 +10,6 @@ of attempts, and commits complete documents atomically (see `dlbatch.checkpoint`
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import os
 import queue
