@@ -104,8 +104,10 @@ def _grammar(c: Constraint) -> str:
 
 
 def ll_tokenizer(tokenizer, vocab_size: int):
-    """An llguidance tokenizer for our `Tokenizer` (dlbatch/engine/tokenizer.py), built from
-    its `tokenizers` object's JSON; ``vocab_size`` is the model's (logits) width."""
+    """An llguidance tokenizer for our `Tokenizer` (dlbatch/engine/tokenizer.py): from its
+    `tokenizers` JSON when llguidance knows the decoder (byte-level BPE, sentencepiece);
+    otherwise from each token's decoded bytes (e.g. word-level vocabularies without a
+    decoder). ``vocab_size`` is the model's (logits) width."""
     import llguidance
 
     n = max(vocab_size, tokenizer.vocab_size)
@@ -113,7 +115,33 @@ def ll_tokenizer(tokenizer, vocab_size: int):
     try:
         return llguidance.LLTokenizer(tokenizer.tk.to_str(), n_vocab=n, eos_token=eos)
     except Exception as e:
-        raise ConstraintError(f"the grammar engine cannot use this tokenizer: {e}") from None
+        first = e
+    try:
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(tokenizer, n)), n_vocab=n, eos_token=eos)
+    except Exception as e:
+        raise ConstraintError(f"the grammar engine cannot use this tokenizer: {first}; {e}") from None
+
+
+class _TokenBytes:
+    """What llguidance's TokenizerWrapper needs: every token's bytes and an encoder."""
+
+    def __init__(self, tokenizer, n: int):
+        tk = tokenizer.tk
+        special = {i for i, t in tk.get_added_tokens_decoder().items() if t.special}
+        self.tokens = []
+        for i in range(n):
+            piece = tk.id_to_token(i)
+            if piece is None:
+                self.tokens.append(b"")
+            else:
+                self.tokens.append(piece.encode() if i in special else tk.decode([i], skip_special_tokens=False).encode())
+        self.special_token_ids = sorted(special)
+        self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+        self.bos_token_id = tokenizer.bos_token_id
+        self._tk = tk
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=False).ids
 
 
 class ConstraintCompiler:
