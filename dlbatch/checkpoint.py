@@ -27,7 +27,7 @@ log = logging.getLogger("dlbatch.checkpoint")
 
 RESULT_COLUMNS = ["doc_id", "source", "task", "output", "prompt_tokens", "output_tokens", "finish_reason",
                   "truncated", "model", "ttft_s", "latency_s"]
-ERROR_COLUMNS = ["doc_id", "source", "stage", "error_type", "error"]
+ERROR_COLUMNS = ["doc_id", "source", "task", "stage", "error_type", "error"]  # task: None = the whole document
 
 
 class OutputStore:
@@ -67,6 +67,9 @@ class OutputStore:
         for r in rows:
             docs.setdefault(r["doc_id"], set()).add(r["task"])
             sources.setdefault(r["source"], set()).add(r["doc_id"])
+        for e in errs:  # a task that failed alone has its outcome (an error row): the document is not redone for it
+            if e.get("task") and e["doc_id"] in docs:
+                docs[e["doc_id"]].add(e["task"])
         failed = {e["doc_id"] for e in errs}
         return {
             "rows": len(rows),
@@ -83,15 +86,18 @@ class OutputStore:
     def _part_name(self) -> str:
         return f"part-{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:12]}.parquet"
 
-    def commit_results(self, rows: list[dict], include_text: bool) -> str | None:
+    def commit_results(self, rows: list[dict], include_text: bool, extra_fields=()) -> str | None:
+        """``extra_fields``: pyarrow fields appended to the schema (dlbatch/structured.py
+        `result_fields`: valid, output_error, one typed `<task>_json` per JSON-schema task)."""
         if not rows:
             return None
         import pyarrow as pa
 
         from connectors.sink import write_parquet_atomic
 
-        cols = RESULT_COLUMNS + (["text"] if include_text else [])
-        table = pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows], schema=result_schema(include_text))
+        cols = RESULT_COLUMNS + (["text"] if include_text else []) + [f.name for f in extra_fields]
+        table = pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows],
+                                     schema=result_schema(include_text, extra_fields))
         return write_parquet_atomic(table, self.url, self._part_name(), self.storage_options)
 
     def commit_errors(self, rows: list[dict]) -> str | None:
@@ -142,7 +148,7 @@ class OutputStore:
         return n
 
 
-def result_schema(include_text: bool):
+def result_schema(include_text: bool, extra_fields=()):
     import pyarrow as pa
 
     fields = [("doc_id", pa.string()), ("source", pa.string()), ("task", pa.string()), ("output", pa.string()),
@@ -150,7 +156,7 @@ def result_schema(include_text: bool):
               ("truncated", pa.bool_()), ("model", pa.string()), ("ttft_s", pa.float64()), ("latency_s", pa.float64())]
     if include_text:
         fields.append(("text", pa.string()))
-    return pa.schema(fields)
+    return pa.schema(fields + [(f.name, f.type) for f in extra_fields])
 
 
 def error_schema():

@@ -338,6 +338,11 @@ class JobRunner:
         metrics = JobMetrics(spec.name)  # Prometheus-style metrics through Ray; no-op without Ray
         K = len(spec.tasks)
         smp = spec.sampling
+        from dlbatch import structured
+
+        constraints = structured.task_constraints(spec)  # task -> engine constraint (output: in the job)
+        fold_keys = structured.fold_keys(spec)
+        extra_fields = structured.result_fields(spec)
         max_attempts = spec.retries.max_attempts
         max_batch_tokens = spec.batching.max_batch_tokens
         inflight_cap = spec.batching.max_inflight_batches * max(len(front), len(decoders))
@@ -379,7 +384,21 @@ class JobRunner:
                 out.append({"request_id": f"{r['doc_id']}::{r['task']}", "token_ids": list(r["prompt_ids"]),
                             "max_tokens": int(r["max_tokens"]), "temperature": smp.temperature, "top_p": smp.top_p,
                             "top_k": smp.top_k, "seed": int(r["seed"]) if smp.temperature > 0 else None})
+                if r["task"] in constraints:
+                    out[-1]["constraint"] = constraints[r["task"]]
             return out
+
+        def task_error(doc_id: str, task: str, stage: str, etype: str, msg: str):
+            """One (document, task) failed alone: an error row naming the task; it counts as
+            that task's outcome, so the document's other tasks still commit."""
+            doc = docs.get(doc_id)
+            if doc is None or doc.failed:
+                return
+            src = next((r["source"] for r in doc.rows), "")
+            doc.results[task] = {"error": msg, "stage": stage, "error_type": etype}
+            error_rows.append({"doc_id": doc_id, "source": src, "task": task, "stage": stage, "error_type": etype,
+                               "error": msg[:1000]})
+            log.warning("task %s of document %s failed alone (%s: %s)", task, doc_id, etype, msg[:200])
 
         def dead_letter(doc: DocState, stage: str, etype: str, msg: str):
             nonlocal new_failed
@@ -465,8 +484,9 @@ class JobRunner:
             normal = [r for r in window_rows if r["doc_id"] in docs]
             by_id = {f"{r['doc_id']}::{r['task']}": r for r in normal}
             reqs = [Request(rid, tuple(r["prompt_ids"]), int(r["max_tokens"]),
-                            None if smp.temperature == 0 else make_sampling_key(rid, smp.temperature, smp.top_p,
-                                                                                 smp.top_k, int(r["seed"])))
+                            make_sampling_key(rid, smp.temperature, smp.top_p, smp.top_k, int(r["seed"]),
+                                              **({"constraint": fold_keys[r["task"]]} if r["task"] in fold_keys else {}))
+                            if smp.temperature > 0 or r["task"] in fold_keys else None)
                     for rid, r in by_id.items()]
             routing = router.route(reqs) if reqs else []
             for kept, dups in getattr(routing, "fanout", {}).items():
@@ -591,12 +611,15 @@ class JobRunner:
                 suspects.pop(d_id, None)
                 for r in doc.rows:
                     res = doc.results[r["task"]]
+                    if "error" in res:  # a task that failed alone: its error row is written already
+                        continue
                     commit_rows.append({"doc_id": doc.doc_id, "source": r["source"], "task": r["task"],
                                         "output": res.get("output", ""), "prompt_tokens": len(r["prompt_ids"]),
                                         "output_tokens": res.get("output_tokens", 0),
                                         "finish_reason": res.get("finish_reason"), "truncated": bool(r["truncated"]),
                                         "model": spec.model.name, "ttft_s": res.get("ttft_s"),
-                                        "latency_s": res.get("latency_s"), "text": r.get("text")})
+                                        "latency_s": res.get("latency_s"), "text": r.get("text"),
+                                        **structured.row_fields(spec, r["task"], res)})
                     prompt_tokens += len(r["prompt_ids"])
                     output_tokens += res.get("output_tokens", 0)
                     prompt_hist.append(len(r["prompt_ids"]))
@@ -612,7 +635,7 @@ class JobRunner:
             if not force and commit_docs < self.flush_docs and time.time() - last_flush < self.flush_seconds:
                 return
             if commit_rows:
-                store.commit_results(commit_rows, spec.output.include_text)
+                store.commit_results(commit_rows, spec.output.include_text, extra_fields)
                 rows_written += len(commit_rows)
                 commit_rows, commit_docs = [], 0
             if error_rows:
@@ -657,6 +680,13 @@ class JobRunner:
                     if batch is None:
                         break
                     for r in batch.to_pylist():
+                        if r.get("error") and r.get("task"):  # one task's prompt failed for this document
+                            doc = docs.setdefault(r["doc_id"], DocState(r["doc_id"]))
+                            if not any(x["task"] == r["task"] for x in doc.rows):
+                                doc.rows.append(r)
+                                task_error(r["doc_id"], r["task"], r.get("stage") or "prompt",
+                                           r.get("error_type") or "Error", r["error"])
+                            continue
                         if r.get("error"):
                             doc = docs.setdefault(r["doc_id"], DocState(r["doc_id"], rows=[r]))
                             dead_letter(doc, r.get("stage") or "parse", r.get("error_type") or "Error", r["error"])
@@ -698,9 +728,14 @@ class JobRunner:
                             note_crash("decode", di)
                         fail_items(items, f"{type(e).__name__}: {brief(e, 300)}", "WorkerCrash")
                         continue
+                    for r in results:  # a constraint that cannot compile fails its (document, task) alone
+                        if str(r.get("error", "")).startswith("ConstraintError"):
+                            msg = r.pop("error")
+                            for t in [r["request_id"]] + fanout.pop(r["request_id"], []):
+                                task_error(*t.rsplit("::", 1), "generate", "ConstraintError", msg)
                     bad = [r for r in results if "error" in r]
                     for r in results:
-                        if "error" not in r:
+                        if "error" not in r and "output" in r:
                             handle_result(r)
                     if bad:
                         fail_items([it for it in items if it["request_id"] in {b["request_id"] for b in bad}],
