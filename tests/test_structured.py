@@ -256,3 +256,22 @@ def test_papers_structured_job_end_to_end(ray_local, sample_model, tmp_path):
 
     t = pq.read_table(out)
     assert pa.types.is_struct(t.schema.field("record_json").type)
+
+
+def test_bench_structured_smoke(tmp_path):
+    """`dlbatch bench structured` on a tiny model: every figure is in its JSON."""
+    from types import SimpleNamespace
+
+    from dlbatch.bench import run_bench
+    from tests.tiny_models import make_tiny_model
+
+    path = str(tmp_path / "tiny")
+    make_tiny_model("llama", path)
+    out = tmp_path / "r.json"
+    assert run_bench(SimpleNamespace(name="structured", rest=["--model", path, "--dtype", "float32", "--quick",
+                                                              "--batches", "1,4", "--json", str(out)])) == 0
+    r = json.loads(out.read_text())
+    assert [s["batch"] for s in r["steps"]] == [1, 4]
+    for s in r["steps"]:
+        assert s["free_step_ms"] > 0 and s["constrained_step_ms"] > 0 and s["timed_steps"][1] > 0
+    assert r["compile"]["json_schema_compile_ms"] > 0 and r["compile"]["matcher_copy_ms"] > 0

@@ -15,6 +15,7 @@ BENCHES = {
     "pipeline": "end-to-end documents/s and tokens/s vs Ray Data + transformers generate",
     "router": "prefix-aware vs round-robin routing on the same job",
     "solver": "measured tokens/s vs the plan's prediction and the simulation",
+    "structured": "constrained vs free decode step time (batch 1, 32) and per-request grammar compile time",
 }
 
 
