@@ -275,3 +275,30 @@ def test_bench_structured_smoke(tmp_path):
     for s in r["steps"]:
         assert s["free_step_ms"] > 0 and s["constrained_step_ms"] > 0 and s["timed_steps"][1] > 0
     assert r["compile"]["json_schema_compile_ms"] > 0 and r["compile"]["matcher_copy_ms"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_tasks_fail_alone_in_a_job(ray_local, sample_model, tmp_path):
+    """A task whose prompt cannot render and a task whose grammar cannot compile become
+    error rows naming the task; the document's other task commits; a rerun is a no-op."""
+    from dlbatch.checkpoint import OutputStore
+    from dlbatch.runner import JobRunner
+
+    out = str(tmp_path / "out")
+    spec = load_job("jobs/papers_structured.yaml", [
+        f"output.path={out}", "input.limit=1", "model.max_model_len=2048", "model.dtype=float32",
+        "cluster.colocated={chip: fast, replicas: 1, num_cpus: 0.5}",
+        "tasks=[{name: kind, prompt: '{{ text }} Kind?', max_tokens: 6, output: {choices: [a, b]}},"
+        " {name: badprompt, prompt: \"{{ text }}{{ pages + 'x' }}\", max_tokens: 4},"
+        " {name: badgrammar, prompt: '{{ text }} Q', max_tokens: 4, output: {grammar: 'start: nosuchrule'}}]"])
+    rep = JobRunner(spec, progress=False).run()
+    store = OutputStore(out)
+    rows = store.results().to_pylist()
+    errs = store.errors().to_pylist()
+    assert [r["task"] for r in rows] == ["kind"] and rows[0]["output"] in ("a", "b") and rows[0]["valid"]
+    assert sorted(e["task"] for e in errs) == ["badgrammar", "badprompt"]
+    assert {e["task"]: e["error_type"] for e in errs}["badgrammar"] == "ConstraintError"
+    assert rep["docs_ok"] == 1
+    again = JobRunner(spec, progress=False).run()
+    assert again.get("noop") or again.get("rows_written", 0) == 0
