@@ -269,7 +269,8 @@ def test_bench_structured_smoke(tmp_path):
     make_tiny_model("llama", path)
     out = tmp_path / "r.json"
     assert run_bench(SimpleNamespace(name="structured", rest=["--model", path, "--dtype", "float32", "--quick",
-                                                              "--batches", "1,4", "--json", str(out)])) == 0
+                                                              "--batches", "1,4", "--max-model-len", "256",
+                                                              "--json", str(out)])) == 0
     r = json.loads(out.read_text())
     assert [s["batch"] for s in r["steps"]] == [1, 4]
     for s in r["steps"]:

@@ -28,6 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batches", default="1,32", help="comma list of batch sizes")
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per case")
     p.add_argument("--schemas", type=int, default=20, help="distinct schemas compiled for the compile time")
+    p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--quick", action="store_true", help="few steps and schemas: a smoke run")
 
@@ -117,7 +118,7 @@ def run(args) -> int:
 
     steps = 6 if args.quick else args.steps
     batches = [int(x) for x in args.batches.split(",") if x.strip()]
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, num_threads=args.threads,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads,
               max_num_seqs=max(batches + [1]))
     result = {"bench": "structured", "model": args.model, "dtype": args.dtype, "machine": machine_info("cpu"),
               "target_ratio": TARGET, "steps": [], "compile": _compile_times(llm, 3 if args.quick else args.schemas)}
