@@ -143,7 +143,8 @@ class ModelRunner:
                    if s.seq.kv_sink is not None and s.seq.prefill_only and s.needs_logits]
         if streams:
             meta.on_layer = lambda li: self._stream_layer(streams, li)
-        masked = self.masker is not None and self.masker.start(seqs)  # constrained rows' token masks fill while the forward runs
+        # constrained rows' token masks fill (in llguidance's pool) while the forward runs
+        masked = self.masker is not None and self.masker.start(seqs)
         logits = self.model.forward(ids, pos, self.kv_cache, meta, rows)
         for seq, _ in streams:
             seq.kv_streamed = True
