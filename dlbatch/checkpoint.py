@@ -40,7 +40,7 @@ log = logging.getLogger("dlbatch.checkpoint")
 
 RESULT_COLUMNS = ["doc_id", "source", "task", "output", "prompt_tokens", "output_tokens", "finish_reason",
                   "truncated", "model", "ttft_s", "latency_s"]
-ERROR_COLUMNS = ["doc_id", "source", "stage", "error_type", "error"]
+ERROR_COLUMNS = ["doc_id", "source", "task", "stage", "error_type", "error"]  # task: None = the whole document
 INDEX_COLUMNS = ["doc_id", "source", "task", "prompt_tokens", "output_tokens"]
 INDEX_DIR = "_index"
 COMPACT_DIR = "_compact"
@@ -125,15 +125,18 @@ class OutputStore:
         ``sources_done``: sources all of whose documents are done (every task of ``tasks``,
         any task when None) or dead-lettered."""
         idx = self.index().to_pydict()
-        err = self.errors(columns=["doc_id", "source"])
-        errs = err.to_pydict() if err.num_rows else {"doc_id": [], "source": []}
+        err = self.errors()  # dead letters are few; parts written before the task column lack it
+        errs = {c: (err.column(c).to_pylist() if c in err.column_names else [None] * err.num_rows)
+                for c in ("doc_id", "source", "task")}
         docs: dict[str, set] = {}
         by_source: dict[str, set] = {}
         for d, s, t in zip(idx["doc_id"], idx["source"], idx["task"]):
             docs.setdefault(d, set()).add(t)
             by_source.setdefault(s, set()).add(d)
-        for d, s in zip(errs["doc_id"], errs["source"]):
+        for d, s, t in zip(errs["doc_id"], errs["source"], errs["task"]):
             by_source.setdefault(s, set()).add(d)
+            if t and d in docs:  # a task that failed alone has its outcome: the document is not redone for it
+                docs[d].add(t)
         done = {d for d, ts in docs.items() if tasks is None or ts >= set(tasks)}
         failed = set(errs["doc_id"]) - set(docs)
         n = len(idx["doc_id"])
@@ -152,12 +155,14 @@ class OutputStore:
     def _part_name(self, keys) -> str:
         return f"part-{self._run_tag}-{keys_digest(keys)}.parquet"
 
-    def _without_landed(self, rows: list[dict], key) -> list[dict]:
-        """Drop rows an earlier commit that raised did write after all (its reply was lost)."""
+    def _without_landed(self, rows: list[dict], key, dest: str) -> list[dict]:
+        """Drop rows an earlier commit to ``dest`` that raised did write after all (its reply
+        was lost). Uncertain commits to other directories stay for their own next commit."""
         from connectors.io_retry import call_with_retry
         from connectors.sink import read_parquet_bytes
 
-        pending, self._uncertain = self._uncertain, []
+        pending = [u for u in self._uncertain if u[0] == dest]
+        self._uncertain = [u for u in self._uncertain if u[0] != dest]
         for d, name in pending:
             fs, p = self.fs, f"{self.fs._strip_protocol(d).rstrip('/')}/{name}"
             if hasattr(fs, "invalidate_cache"):
@@ -191,28 +196,32 @@ class OutputStore:
         except OSError as e:
             log.warning("could not write the index of %s (resume reads the part instead): %s", name, e)
 
-    def commit_results(self, rows: list[dict], include_text: bool) -> str | None:
-        rows = self._without_landed(rows, key=lambda r: (r["doc_id"], r["task"]))
+    def commit_results(self, rows: list[dict], include_text: bool, extra_fields=()) -> str | None:
+        """``extra_fields``: pyarrow fields appended to the schema (dlbatch/structured.py
+        `result_fields`: valid, output_error, one typed `<task>_json` per JSON-schema task)."""
+        rows = self._without_landed(rows, key=lambda r: (r["doc_id"], r["task"]), dest=self.url)
         if not rows:
             return None
         import pyarrow as pa
 
-        cols = RESULT_COLUMNS + (["text"] if include_text else [])
-        table = pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows], schema=result_schema(include_text))
+        cols = RESULT_COLUMNS + (["text"] if include_text else []) + [f.name for f in extra_fields]
+        table = pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows],
+                                     schema=result_schema(include_text, extra_fields))
         name = self._part_name((r["doc_id"], r["task"]) for r in rows)
         url = self._commit(table, self.url, name)
         self._write_index(name, table)
         return url
 
     def commit_errors(self, rows: list[dict]) -> str | None:
-        rows = self._without_landed(rows, key=lambda r: (r["doc_id"], r.get("stage")))
+        rows = self._without_landed(rows, key=lambda r: (r["doc_id"], f"{r.get('task') or ''}:{r.get('stage')}"),
+                                    dest=self._u(ERRORS_DIR))
         if not rows:
             return None
         import pyarrow as pa
 
         table = pa.Table.from_pylist([{c: (None if r.get(c) is None else str(r.get(c))) for c in ERROR_COLUMNS}
                                       for r in rows], schema=error_schema())
-        name = self._part_name((r["doc_id"], r.get("stage")) for r in rows)
+        name = self._part_name((r["doc_id"], f"{r.get('task') or ''}:{r.get('stage')}") for r in rows)
         return self._commit(table, self._u(ERRORS_DIR), name)
 
     def read_json(self, name: str) -> dict | None:
@@ -345,7 +354,7 @@ class OutputStore:
         return n
 
 
-def result_schema(include_text: bool):
+def result_schema(include_text: bool, extra_fields=()):
     import pyarrow as pa
 
     fields = [("doc_id", pa.string()), ("source", pa.string()), ("task", pa.string()), ("output", pa.string()),
@@ -353,7 +362,7 @@ def result_schema(include_text: bool):
               ("truncated", pa.bool_()), ("model", pa.string()), ("ttft_s", pa.float64()), ("latency_s", pa.float64())]
     if include_text:
         fields.append(("text", pa.string()))
-    return pa.schema(fields)
+    return pa.schema(fields + [(f.name, f.type) for f in extra_fields])
 
 
 def error_schema():

@@ -82,15 +82,20 @@ class Document:
     def all_done(self) -> bool:
         return not self.inflight and len(self.results) == len(self.rows)
 
-    def output_rows(self, model: str) -> list[dict]:
+    def output_rows(self, model: str, extra: Callable[[str, dict], dict] | None = None) -> list[dict]:
+        """One result row per task; a task that failed alone (its result holds "error") has
+        its error row already and no result row. ``extra(task, result)``: more fields."""
         out = []
         for r in self.rows.values():
             res = self.results[r["task"]]
+            if "error" in res:
+                continue
             out.append({"doc_id": self.doc_id, "source": r["source"], "task": r["task"],
                         "output": res.get("output", ""), "prompt_tokens": len(r["prompt_ids"]),
                         "output_tokens": res.get("output_tokens", 0), "finish_reason": res.get("finish_reason"),
                         "truncated": bool(r.get("truncated")), "model": model, "ttft_s": res.get("ttft_s"),
-                        "latency_s": res.get("latency_s"), "text": r.get("text")})
+                        "latency_s": res.get("latency_s"), "text": r.get("text"),
+                        **(extra(r["task"], res) if extra else {})})
         return out
 
 
@@ -223,12 +228,15 @@ class Dispatcher:
     more_requests(doc): called when every request of `doc` is done; rows it returns are
     added to the document (new tasks) and queued, and the document completes only when it
     returns none. The default adds nothing.
+    is_fatal(error): an engine error that retrying cannot mend (e.g. a constraint that does
+    not compile): the request's task fails alone with an error row (`take_task_errors`).
     """
 
     def __init__(self, counts: dict[str, int], router, policy: RetryPolicy | None = None, *,
                  max_batch_tokens: int = 8192, inflight_cap: int = 16, window: int = 256,
                  request_key: Callable[[dict], Hashable | None] = lambda r: None,
-                 more_requests: Callable[[Document], list[dict]] | None = None, clock=time.monotonic):
+                 more_requests: Callable[[Document], list[dict]] | None = None,
+                 is_fatal: Callable[[str | None], bool] = lambda err: False, clock=time.monotonic):
         self.pd = "prefill" in counts
         self.front_role = "prefill" if self.pd else "colocated"
         self.workers = Workers(counts)
@@ -239,6 +247,7 @@ class Dispatcher:
         self.window = window
         self.request_key = request_key
         self.more_requests = more_requests
+        self.is_fatal = is_fatal
         self.clock = clock
         self.docs: dict[str, Document] = {}
         self.finished_ids: set[str] = set()  # completed or dead-lettered: later input rows ignored
@@ -251,6 +260,7 @@ class Dispatcher:
         self.paused = False  # the owner stops submissions (e.g. re-forming a collective group)
         self._completed: list[Document] = []
         self._dead: list[dict] = []
+        self._task_errors: list[dict] = []  # error rows of (document, task)s that failed alone
         self.stats = collections.Counter()  # requeued, attempts_charged, suspects, solo_batches, ...
 
     # ------------------------------------------------------------------ input
@@ -259,6 +269,12 @@ class Dispatcher:
         d_id = row["doc_id"]
         if d_id in self.finished_ids:
             return False
+        if row.get("error") and row.get("task"):  # one task's prompt failed for this document
+            doc = self.docs.setdefault(d_id, Document(d_id))
+            if doc.add_request(row):
+                self.task_error(doc, row["task"], row.get("stage") or "prompt", row.get("error_type") or "Error",
+                                row["error"])
+            return True
         if row.get("error"):
             doc = self.docs.get(d_id) or Document(d_id, rows={row.get("task") or "_input": row})
             self._dead_letter(doc, row.get("stage") or "parse", row.get("error_type") or "Error", row["error"])
@@ -474,6 +490,13 @@ class Dispatcher:
         for row in b.rows:
             res = by_id.get(request_id(row))
             group = [row, *b.riders.get(request_id(row), [])]
+            if res is not None and self.is_fatal(res.get("error")):  # fails its (document, task) alone
+                for r in group:
+                    doc = self.docs.get(r["doc_id"])
+                    if doc is not None:
+                        doc.inflight.discard(r["task"])
+                        self.task_error(doc, r["task"], "generate", res["error"].split(":", 1)[0], res["error"])
+                continue
             if res is None or "error" in res:
                 lost.extend(group)
                 reason = reason or (res or {}).get("error") or "the worker returned no result for the request"
@@ -591,6 +614,20 @@ class Dispatcher:
 
     def take_completed(self) -> list[Document]:
         out, self._completed = self._completed, []
+        return out
+
+    def task_error(self, doc: Document, task: str, stage: str, etype: str, msg: str) -> None:
+        """One (document, task) failed alone: an error row naming the task, which counts as
+        that task's outcome, so the document's other tasks still commit. Completion is
+        checked where a batch ends (`_after`), never here: an input row's document may not
+        have all its rows yet."""
+        doc.results[task] = {"error": msg, "stage": stage, "error_type": etype}
+        self._task_errors.append({"doc_id": doc.doc_id, "source": doc.source, "task": task, "stage": stage,
+                                  "error_type": etype, "error": msg[:1000]})
+        log.warning("task %s of document %s failed alone (%s: %s)", task, doc.doc_id, etype, msg[:200])
+
+    def take_task_errors(self) -> list[dict]:
+        out, self._task_errors = self._task_errors, []
         return out
 
     def take_dead_letters(self) -> list[dict]:

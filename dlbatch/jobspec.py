@@ -205,6 +205,42 @@ class ModelSpec(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     max_model_len: int = Field(8192, ge=1)
     chat: Optional[bool] = None
+    system: Optional[str] = None  # system prompt of every task (a task's own `system` wins)
+    chat_template: Optional[str] = None  # path to a Jinja chat template file, instead of the model's
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # extra template variables
+
+
+class TaskOutputSpec(BaseModel):
+    """What a task's output must be (exactly one key): the engine constrains the generation
+    to it and the rows carry the parsed, typed value (dlbatch/structured.py)."""
+
+    model_config = _STRICT
+
+    json_schema: Optional[dict[str, Any]] = None  # inline, or a .json file next to the job (inlined at load)
+    regex: Optional[str] = Field(None, min_length=1)
+    choices: Optional[list[str]] = Field(None, min_length=1)
+    grammar: Optional[str] = Field(None, min_length=1)  # Lark (llguidance dialect)
+
+    @model_validator(mode="after")
+    def _one(self) -> "TaskOutputSpec":
+        given = [k for k in ("json_schema", "regex", "choices", "grammar") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex, choices, grammar (got {given or 'none'})")
+        if self.json_schema is not None:
+            import jsonschema
+
+            try:
+                jsonschema.validators.validator_for(self.json_schema).check_schema(self.json_schema)
+            except jsonschema.SchemaError as e:
+                raise ValueError(f"json_schema is not a valid JSON Schema: {e.message}") from None
+        if self.regex is not None:
+            try:
+                re.compile(self.regex)
+            except re.error as e:
+                raise ValueError(f"regex {self.regex!r} does not compile: {e}") from None
+        if self.choices is not None and any(not c for c in self.choices):
+            raise ValueError("choices must be non-empty strings")
+        return self
 
 
 class TaskSpec(BaseModel):
@@ -213,6 +249,10 @@ class TaskSpec(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
     prompt: str = Field(min_length=1)
     max_tokens: int = Field(128, ge=1)
+    output: Optional[TaskOutputSpec] = None
+    system: Optional[str] = None  # this task's system prompt (overrides model.system)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # merged over model.chat_template_kwargs
+    raw: bool = False  # the prompt goes to the model as is, without the chat template
 
     @model_validator(mode="after")
     def _check_template(self) -> "TaskSpec":
@@ -519,6 +559,12 @@ def load_job(
     if not isinstance(data, dict):
         raise JobSpecError(source, [("", f"a job file must be a mapping at the top level, got {type(data).__name__}")])
     data = apply_overrides(data, overrides, source=source)
+    from dlbatch.structured import inline_schema_files
+
+    try:
+        data = inline_schema_files(data, source)
+    except ValueError as e:
+        raise JobSpecError(source, [("tasks", str(e))]) from None
     return parse_job(data, source=source)
 
 
@@ -636,6 +682,9 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
         "model.dtype": spec.model.dtype,
         "model.max_model_len": spec.model.max_model_len,
         "model.chat": spec.model.chat,
+        "model.system": spec.model.system,
+        "model.chat_template": spec.model.chat_template,
+        "model.chat_template_kwargs": spec.model.chat_template_kwargs,
         "sampling.temperature": spec.sampling.temperature,
         "sampling.top_p": spec.sampling.top_p,
         "sampling.top_k": spec.sampling.top_k,
@@ -652,6 +701,9 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
     for task in spec.tasks:
         fields[f"tasks.{task.name}.prompt"] = task.prompt
         fields[f"tasks.{task.name}.max_tokens"] = task.max_tokens
+        if task.output is not None or task.system is not None or task.chat_template_kwargs or task.raw:
+            fields[f"tasks.{task.name}.output"] = task.output.model_dump() if task.output is not None else None
+            fields[f"tasks.{task.name}.chat"] = [task.system, task.chat_template_kwargs, task.raw]
     return fields
 
 

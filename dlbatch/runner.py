@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from dlbatch.checkpoint import COMPACT_MIN_PARTS
+from dlbatch import structured
 from dlbatch.transfer.errors import brief
 
 log = logging.getLogger("dlbatch.run")
@@ -168,6 +169,7 @@ class JobRunner:
                  resource_timeout_s: float = 120.0, stall_timeout_s: float = 1800.0,
                  input_timeout_s: float = 600.0):
         self.spec = spec
+        self._constraints = structured.task_constraints(spec)  # task -> engine constraint (its `output:`)
         self.fresh = fresh
         self.plan = plan
         self.progress = sys.stderr.isatty() if progress is None else progress
@@ -478,21 +480,29 @@ class JobRunner:
 
         spec, smp = self.spec, self.spec.sampling
         n_front = len(workers.get("prefill") or workers["colocated"])
-        key = (lambda r: None) if smp.temperature == 0 else (
-            lambda r: make_sampling_key(f"{r['doc_id']}::{r['task']}", smp.temperature, smp.top_p, smp.top_k,
-                                        int(r["seed"])))
+        folds = structured.fold_keys(spec)  # a constrained task is never folded onto another task's request
+
+        def key(r):
+            if smp.temperature == 0 and r["task"] not in folds:
+                return None
+            extra = {"constraint": folds[r["task"]]} if r["task"] in folds else {}
+            return make_sampling_key(f"{r['doc_id']}::{r['task']}", smp.temperature, smp.top_p, smp.top_k,
+                                     int(r["seed"]), **extra)
+
         return Dispatcher({role: len(ws) for role, ws in workers.items()},
                           Router(n_front, RouterConfig(policy=spec.router.policy, window=spec.router.window)),
                           RetryPolicy(max_attempts=spec.retries.max_attempts),
                           max_batch_tokens=spec.batching.max_batch_tokens, window=spec.router.window,
                           inflight_cap=spec.batching.max_inflight_batches * max(len(ws) for ws in workers.values()),
-                          request_key=key)
+                          request_key=key, is_fatal=lambda err: str(err or "").startswith("ConstraintError"))
 
     def _items_for(self, rows: list[dict]) -> list[dict]:
         smp = self.spec.sampling
+        constraints = self._constraints
         return [{"request_id": f"{r['doc_id']}::{r['task']}", "token_ids": list(r["prompt_ids"]),
                  "max_tokens": int(r["max_tokens"]), "temperature": smp.temperature, "top_p": smp.top_p,
-                 "top_k": smp.top_k, "seed": int(r["seed"]) if smp.temperature > 0 else None} for r in rows]
+                 "top_k": smp.top_k, "seed": int(r["seed"]) if smp.temperature > 0 else None,
+                 **({"constraint": constraints[r["task"]]} if r["task"] in constraints else {})} for r in rows]
 
     def _drive(self, store, batches: BatchPrefetcher, workers, t_start, sig) -> dict:
         """schedule -> submit -> wait -> results / failures -> commit, until every document is
@@ -564,10 +574,14 @@ class JobRunner:
 
     def _collect(self, d, buf, tally) -> None:
         """Complete documents and dead letters from the dispatcher into the commit buffer."""
+        spec = self.spec
         for doc in d.take_completed():
-            rows = doc.output_rows(self.spec.model.name)
+            rows = doc.output_rows(spec.model.name, extra=lambda task, res: structured.row_fields(spec, task, res))
             buf.add_document(rows)
             tally.doc_ok(rows)
+        task_errors = d.take_task_errors()  # (document, task)s that failed alone: the document goes on
+        if task_errors:
+            buf.add_errors(task_errors)
         dead = d.take_dead_letters()
         if dead:
             buf.add_errors(dead)
@@ -579,7 +593,7 @@ class JobRunner:
             return
         rows, errors = buf.take()
         if rows:
-            store.commit_results(rows, self.spec.output.include_text)
+            store.commit_results(rows, self.spec.output.include_text, structured.result_fields(self.spec))
             tally.rows_written += len(rows)
         if errors:
             store.commit_errors(errors)

@@ -57,14 +57,34 @@ class PromptStage:
         self.spec = parse_job(spec_dict, source="<job>")
         m = self.spec.model
         self.tok = load_tokenizer(m.name)
-        self.chat = (self.tok.chat_template is not None) if m.chat is None else bool(m.chat)
-        self.render = compile_task_templates(self.spec.tasks)
+        self.template = None
+        if m.chat_template is not None:
+            with open(m.chat_template, encoding="utf-8") as f:
+                self.template = f.read()
+        has_template = self.template is not None or self.tok.chat_template is not None
+        self.chat = has_template if m.chat is None else bool(m.chat)
+        # one renderer per task: a task whose prompt cannot be rendered for a document fails alone
+        self.renders = [compile_task_templates([t]) for t in self.spec.tasks]
         self.skip = set(skip_doc_ids or ())
         if hasattr(skip_doc_ids, "__ray_ref__"):  # pragma: no cover
             self.skip = set()
 
-    def _encode(self, prompt: str) -> list[int]:
-        return self.tok.encode_prompt(prompt, self.chat)
+    def _encode(self, k: int, prompt: str) -> list[int]:
+        """Task k's prompt -> token ids: raw, or through the chat template with the task's
+        (else the job's) system prompt and template kwargs. The system message comes
+        before the document, so it is part of the prefix the tasks share only when every
+        task has the same one."""
+        t, m = self.spec.tasks[k], self.spec.model
+        if t.raw or not self.chat:
+            return self.tok.encode(prompt)
+        system = t.system if t.system is not None else m.system
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        text = self.tok.apply_chat_template(messages, template=self.template,
+                                            **{**m.chat_template_kwargs, **t.chat_template_kwargs})
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def _render(self, k: int, ctx: dict) -> str:
+        return self.renders[k](ctx)[0]
 
     def __call__(self, batch):
         import pyarrow as pa
@@ -78,6 +98,9 @@ class PromptStage:
         return pa.Table.from_pylist(out, schema=request_schema())
 
     def process(self, doc: dict) -> list[dict]:
+        """A document's request rows, one per task; a task whose prompt fails becomes an
+        error row naming the task (the other tasks go on); if every task fails, or the
+        document itself is bad, one error row for the document (task None)."""
         spec = self.spec
         base = {"doc_id": doc["doc_id"], "source": doc["source"], "title": doc.get("title"),
                 "pages": doc.get("pages"), "text": doc.get("text") if spec.output.include_text else None}
@@ -87,43 +110,57 @@ class PromptStage:
             return [self._error(base, "parse", "EmptyDocument", "document has no text")]
         tasks = spec.tasks
         limit = spec.model.max_model_len
+        ctx = {"text": doc["text"], "title": doc.get("title") or "", "doc_id": doc["doc_id"],
+               "source": doc["source"], "pages": doc.get("pages") or 0}
+        ids: dict[int, list[int]] = {}
+        errors: dict[int, Exception] = {}
+        for k in range(len(tasks)):
+            try:
+                ids[k] = self._encode(k, self._render(k, ctx))
+            except Exception as e:
+                errors[k] = e
+        if not ids:
+            e = next(iter(errors.values()))
+            return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
+        truncated = False
         try:
-            ctx = {"text": doc["text"], "title": doc.get("title") or "", "doc_id": doc["doc_id"],
-                   "source": doc["source"], "pages": doc.get("pages") or 0}
-            prompts = self.render(ctx)
-            ids = [self._encode(p) for p in prompts]
-            too_long = [(t, len(i)) for t, i in zip(tasks, ids) if len(i) > limit - t.max_tokens]
-            truncated = False
+            too_long = [(tasks[k], len(i)) for k, i in ids.items() if len(i) > limit - tasks[k].max_tokens]
             if too_long:
                 t, n = too_long[0]
                 if spec.long_inputs == "skip":
                     return [self._error(base, "prompt", "LongInput",
                                         f"task {t.name!r}: prompt of {n} tokens + max_tokens {t.max_tokens} exceeds "
                                         f"max_model_len {limit}")]
-                ids = self._truncate(ctx, tasks, limit)
+                ids = self._truncate(ctx, list(ids), limit)
                 truncated = True
         except Exception as e:
             return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
         out = []
-        for k, (t, p) in enumerate(zip(tasks, ids)):
-            out.append({**base, "task": t.name, "task_index": k, "prompt_ids": p, "max_tokens": t.max_tokens,
+        for k, t in enumerate(tasks):
+            if k in errors:
+                e = errors[k]
+                out.append({**self._error(base, "prompt", type(e).__name__, str(e)[:500]), "task": t.name,
+                            "task_index": k})
+                continue
+            out.append({**base, "task": t.name, "task_index": k, "prompt_ids": ids[k], "max_tokens": t.max_tokens,
                         "truncated": truncated, "seed": derive_seed(spec.sampling.seed, doc["doc_id"], t.name),
                         "stage": None, "error_type": None, "error": None})
         return out
 
-    def _truncate(self, ctx: dict, tasks, limit: int) -> list[list[int]]:
-        """Keep the head of the document so every task fits; the same cut for all tasks
-        keeps their shared prefix."""
+    def _truncate(self, ctx: dict, ks: list[int], limit: int) -> dict[int, list[int]]:
+        """Keep the head of the document so every task (of ``ks``) fits; the same cut for
+        all tasks keeps their shared prefix."""
+        tasks = self.spec.tasks
         text_ids = self.tok.encode(ctx["text"], add_special_tokens=False)
-        empty = self.render({**ctx, "text": ""})
-        budget = min(limit - t.max_tokens - len(self._encode(e)) for t, e in zip(tasks, empty)) - 8
+        empty = {k: self._encode(k, self._render(k, {**ctx, "text": ""})) for k in ks}
+        budget = min(limit - tasks[k].max_tokens - len(empty[k]) for k in ks) - 8
         if budget <= 0:
             raise ValueError(f"the task prompts alone need more than max_model_len {limit} tokens")
         n = min(len(text_ids), budget)
         while True:
             cut = self.tok.decode(text_ids[:n])
-            ids = [self._encode(p) for p in self.render({**ctx, "text": cut})]
-            if all(len(i) <= limit - t.max_tokens for t, i in zip(tasks, ids)) or n <= 0:
+            ids = {k: self._encode(k, self._render(k, {**ctx, "text": cut})) for k in ks}
+            if all(len(ids[k]) <= limit - tasks[k].max_tokens for k in ks) or n <= 0:
                 return ids
             n -= max(8, n // 50)
 

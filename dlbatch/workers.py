@@ -48,7 +48,7 @@ def request_params(r: dict):
 
     return SamplingParams(max_tokens=int(r["max_tokens"]), temperature=float(r.get("temperature", 0.0)),
                           top_p=float(r.get("top_p", 1.0)), top_k=int(r.get("top_k", 0)), seed=r.get("seed"),
-                          ignore_eos=bool(r.get("ignore_eos", False)))
+                          ignore_eos=bool(r.get("ignore_eos", False)), constraint=r.get("constraint"))
 
 
 def local_device(device: str) -> str:

@@ -67,6 +67,10 @@ class LLMEngine:
         self.scheduler.on_admit = self._on_admit
         self._done_imports: list[Sequence] = []
         self.eos_ids = set(self.mconf.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        from dlbatch.engine.constraint import ConstraintCompiler, ConstraintMasker
+
+        self.constraints = ConstraintCompiler(self.tokenizer, self.mconf.vocab_size)
+        self.runner.masker = ConstraintMasker(max(self.mconf.vocab_size, self.tokenizer.vocab_size))
         self.stats = {"steps": 0, "prompt_tokens": 0, "prefill_tokens_computed": 0, "output_tokens": 0,
                       "cached_tokens": 0, "busy_s": 0.0}
 
@@ -115,6 +119,8 @@ class LLMEngine:
             truncated = True
         seq = Sequence(seq_id=request_id, prompt_ids=list(prompt_ids), params=params)
         seq.truncated = truncated
+        if params.constraint is not None:  # compiled once per engine; a bad one fails this request alone
+            seq.matcher = self.constraints.matcher(params.constraint)
         return seq
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -219,6 +225,11 @@ class LLMEngine:
             seq.prefill_only = True
             return "prefill"
         last = seq.output_ids[-1]
+        if seq.matcher is not None:
+            from dlbatch.engine.constraint import advance
+
+            if advance(seq):
+                return "stop"
         if not p.ignore_eos and last in self.eos_ids:
             return "stop"
         if last in p.stop_token_ids:

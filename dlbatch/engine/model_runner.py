@@ -40,6 +40,7 @@ class ModelRunner:
             from dlbatch.engine.ops import native
 
             self.use_native = native.lib() is not None
+        self.masker = None  # engine/constraint.py ConstraintMasker, set by the engine
         self.kv_cache = torch.zeros(
             (2, mconf.num_layers, num_blocks, econf.block_size, mconf.num_kv_heads, mconf.head_dim),
             dtype=model.dtype, device=model.device)
@@ -142,11 +143,15 @@ class ModelRunner:
                    if s.seq.kv_sink is not None and s.seq.prefill_only and s.needs_logits]
         if streams:
             meta.on_layer = lambda li: self._stream_layer(streams, li)
+        # constrained rows' token masks fill (in llguidance's pool) while the forward runs
+        masked = self.masker is not None and self.masker.start(seqs)
         logits = self.model.forward(ids, pos, self.kv_cache, meta, rows)
         for seq, _ in streams:
             seq.kv_streamed = True
         if not seqs:
             return {}
+        if masked:
+            self.masker.apply(logits)
         tokens = self.sample(logits, seqs)
         return {id(s): int(t) for s, t in zip(seqs, tokens)}
 

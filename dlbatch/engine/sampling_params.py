@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -15,8 +16,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = field(default_factory=tuple)
     ignore_eos: bool = False
     truncate_prompt: bool = False
+    # output must match it: a `Constraint` or {"kind": json_schema|regex|choices|grammar, "spec": ...}
+    constraint: Any = None
 
     def __post_init__(self) -> None:
+        from dlbatch.engine.constraint import Constraint
+
+        object.__setattr__(self, "constraint", Constraint.from_dict(self.constraint))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (self.temperature >= 0.0):
@@ -41,4 +47,5 @@ class SamplingParams:
     def key(self) -> tuple:
         """What makes two requests with the same prompt produce the same output (duplicate folding)."""
         return (self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed if not self.greedy else None,
-                self.stop, self.stop_token_ids, self.ignore_eos, self.truncate_prompt)
+                self.stop, self.stop_token_ids, self.ignore_eos, self.truncate_prompt,
+                self.constraint.key() if self.constraint is not None else None)

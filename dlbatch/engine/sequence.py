@@ -43,6 +43,7 @@ class Sequence:
     kv_imported: object = None  # decode-only: called once the imported KV is in our blocks (frees its source)
     generator_state: object = None
     pd_finish: str | None = None  # prefill-only: finish reason if the first token ended the request
+    matcher: object = None  # constrained: llguidance matcher that has consumed output_ids (engine/constraint.py)
 
     @property
     def all_ids(self) -> list[int]:

@@ -51,12 +51,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: str | list[dict], add_generation_prompt: bool = True) -> str:
-        if self.chat_template is None:
+    def apply_chat_template(self, messages: str | list[dict], add_generation_prompt: bool = True,
+                            template: str | None = None, **kwargs) -> str:
+        """Render ``messages`` with ``template`` (default: the model's); ``kwargs`` are extra
+        template variables (e.g. ``enable_thinking``)."""
+        template = template or self.chat_template
+        if template is None:
             raise TokenizerError("this model has no chat template; use chat=False")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return _render_chat(self.chat_template, messages, add_generation_prompt, self.bos_token or "", self.eos_token or "")
+        return _render_chat(template, messages, add_generation_prompt, self.bos_token or "", self.eos_token or "",
+                            **kwargs)
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
         if chat:
@@ -67,7 +72,7 @@ class Tokenizer:
 _CHAT_ENV = None
 
 
-def _render_chat(template: str, messages, add_generation_prompt: bool, bos: str, eos: str) -> str:
+def _render_chat(template: str, messages, add_generation_prompt: bool, bos: str, eos: str, **kwargs) -> str:
     global _CHAT_ENV
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -79,7 +84,8 @@ def _render_chat(template: str, messages, add_generation_prompt: bool, bos: str,
 
         _CHAT_ENV.globals["raise_exception"] = raise_exception
     tpl = _CHAT_ENV.from_string(template)
-    return tpl.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
+    return tpl.render(**kwargs, messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                      eos_token=eos)
 
 
 def tokenizer_from_hf_files(tokenizer_json: str, tokenizer_config: dict | None, chat_template_file: str | None,
