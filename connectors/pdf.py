@@ -300,7 +300,8 @@ def _continues(prev: list[_Line], nxt: list[_Line]) -> bool:
         return True
     if tail.endswith("-") and head[0].isalpha():
         return True
-    return tail[-1] not in _TERMINAL and head[0].islower()
+    # a sentence broken by a column/page break goes on in lower case or with a number
+    return tail[-1] not in _TERMINAL and (head[0].islower() or head[0].isdigit())
 
 
 def _vocabulary(paras: list[list[_Line]]) -> set[str]:
