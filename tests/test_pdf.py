@@ -262,5 +262,6 @@ def test_max_pages_caps_pages_read():
 
 def test_good_pdf_row_shape():
     row = extract_pdf(good_pdf(), "good.pdf")
-    assert set(row) == {"doc_id", "source", "text", "title", "pages", "error", "error_type"}
+    assert set(row) == {"doc_id", "source", "text", "title", "pages", "error", "error_type",
+                        "abstract", "sections", "references", "references_span"}
     assert row["text"].startswith("A good paper about coastal fog.")
