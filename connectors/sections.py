@@ -35,7 +35,7 @@ _KNOWN = ("abstract", "introduction", "background", "related work", "methods", "
 _NUMBERED_RE = re.compile(r"^(?:(\d{1,2}(?:\.\d{1,2}){0,3})\.?|([IVX]{1,5})\.|([A-Z])\.?)\s+([A-Z][^\n]*)$")
 _CAPTION_RE = re.compile(r"^(fig\.|figure|table|listing|algorithm)\s*\d+[.:]", re.IGNORECASE)
 _ABSTRACT_INLINE_RE = re.compile(r"^abstract\s*(?:[.:\u2014\u2013\-]\s*)(\S.*)$", re.IGNORECASE | re.DOTALL)
-_NUMBER_PREFIX_RE = re.compile(r"^(?:\d{1,2}(?:\.\d{1,2}){0,3}\.?|[IVX]{1,5}\.|[A-Z]\.)\s+")
+_NUMBER_PREFIX_RE = re.compile(r"^(?:\d{1,2}(?:\.\d{1,2}){0,3}\.?|[IVX]{1,5}\.|[A-Z]\.)\s+", re.IGNORECASE)
 
 
 @dataclasses.dataclass
