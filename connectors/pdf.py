@@ -15,7 +15,10 @@ What it does to a readable PDF, page by page (``page.get_text("dict")``):
   a paragraph broken by a column or page break is joined back), joins words hyphenated at
   line ends ("compu-" + "tation" -> "computation", but "non-" + "English" keeps the
   hyphen), expands ligatures (U+FB00..U+FB06), tidies whitespace;
-* title: the PDF metadata title when it looks real, else the largest-font text on page 1.
+* title: the PDF metadata title when it looks real, else the largest-font text on page 1;
+* structure (connectors/sections.py): ``abstract``, ``sections`` ([{heading, level, text}]),
+  ``references`` and ``references_span`` (the references part's character span in ``text``,
+  heading included), from the paragraphs' font sizes, boldness and numbering.
 
 The returned row's ``pages`` is the document's page count (even when ``max_pages`` caps
 how many pages are read).
@@ -28,6 +31,7 @@ import logging
 import re
 import statistics
 
+from .sections import Para, structure
 from .records import (CORRUPT_PDF, EMPTY_DOCUMENT, ENCRYPTED_PDF, IMAGE_ONLY_PDF, error_row,
                       ok_row)
 
@@ -300,7 +304,8 @@ def _continues(prev: list[_Line], nxt: list[_Line]) -> bool:
         return True
     if tail.endswith("-") and head[0].isalpha():
         return True
-    return tail[-1] not in _TERMINAL and head[0].islower()
+    # a sentence broken by a column/page break goes on in lower case or with a number
+    return tail[-1] not in _TERMINAL and (head[0].islower() or head[0].isdigit())
 
 
 def _vocabulary(paras: list[list[_Line]]) -> set[str]:
@@ -415,16 +420,8 @@ def _extract_open(doc, data: bytes, source: str, max_pages: int | None, pymupdf)
         log.warning("%s: %d unreadable page(s): %s", source, len(page_failures), "; ".join(page_failures[:3]))
 
     body_pages = _drop_headers_footers(pages)
-    paras: list[list[_Line]] = []
-    for blocks in body_pages:
-        for para in _paragraphs(_reading_order(blocks)):
-            if paras and _continues(paras[-1], para):
-                paras[-1].extend(para)
-            else:
-                paras.append(para)
-    vocab = _vocabulary(paras)
-    texts = [join_lines([l.text for l in para], vocab) for para in paras]
-    text = "\n\n".join(t for t in texts if t)
+    styled = _body_paragraphs(body_pages)
+    text = "\n\n".join(p.text for p in styled)
 
     if not text.strip():
         if images:
@@ -435,4 +432,42 @@ def _extract_open(doc, data: bytes, source: str, max_pages: int | None, pymupdf)
                          error=f"no text on {limit} page(s)")
 
     title = _metadata_title(doc.metadata) or (_title_from_fonts(body_pages[0]) if body_pages else None)
-    return ok_row(doc_id=None, source=source, text=text, title=title, pages=total)
+    row = ok_row(doc_id=None, source=source, text=text, title=title, pages=total)
+    row.update(structure(styled, title))
+    return row
+
+
+def _body_paragraphs(body_pages: list[list[_Block]]) -> list[Para]:
+    """The text's paragraphs in reading order, each with its dominant style."""
+    paras: list[list[_Line]] = []
+    for blocks in body_pages:
+        for para in _paragraphs(_reading_order(blocks)):
+            if paras and _continues(paras[-1], para):
+                paras[-1].extend(para)
+            else:
+                paras.append(para)
+    vocab = _vocabulary(paras)
+    texts = [join_lines([l.text for l in para], vocab) for para in paras]
+    return [_styled(para, t) for para, t in zip(paras, texts) if t]
+
+
+def styled_paragraphs(data: bytes) -> list[Para]:
+    """The paragraphs ``extract_pdf`` joins into ``text`` (same order, same text), with
+    their styles: what connectors/sections.py works from. For tests and inspection."""
+    import pymupdf
+
+    flags = pymupdf.TEXT_PRESERVE_WHITESPACE | pymupdf.TEXT_MEDIABOX_CLIP
+    with pymupdf.open(stream=bytes(data), filetype="pdf") as doc:
+        pages = [(page.rect.height, _page_blocks(page.get_text("dict", flags=flags))) for page in doc]
+    return _body_paragraphs(_drop_headers_footers(pages))
+
+
+def _styled(para: list[_Line], text: str) -> Para:
+    """A paragraph with the size and boldness that most of its characters have."""
+    by_size: dict[float, int] = {}
+    bold_chars = 0
+    for line in para:
+        by_size[line.size] = by_size.get(line.size, 0) + len(line.text)
+        bold_chars += len(line.text) if line.bold else 0
+    total = sum(by_size.values())
+    return Para(text=text, size=max(by_size, key=by_size.get), bold=bold_chars * 2 > total, lines=len(para))

@@ -243,6 +243,9 @@ class TaskOutputSpec(BaseModel):
         return self
 
 
+LongInputPolicy = Literal["truncate", "middle", "skip", "chunk"]
+
+
 class TaskSpec(BaseModel):
     model_config = _STRICT
 
@@ -253,6 +256,7 @@ class TaskSpec(BaseModel):
     system: Optional[str] = None  # this task's system prompt (overrides model.system)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # merged over model.chat_template_kwargs
     raw: bool = False  # the prompt goes to the model as is, without the chat template
+    long_inputs: Optional[LongInputPolicy] = None   # None: the job's long_inputs
 
     @model_validator(mode="after")
     def _check_template(self) -> "TaskSpec":
@@ -265,6 +269,34 @@ def _default_tasks() -> list[TaskSpec]:
         TaskSpec(name="summary", prompt="{{ text }}\n\nSummarize this paper in three sentences.", max_tokens=128),
         TaskSpec(name="keywords", prompt="{{ text }}\n\nList five keywords of this paper.", max_tokens=32),
     ]
+
+
+class ChunkingSpec(BaseModel):
+    """``long_inputs: chunk`` settings (dlbatch/longdoc.py)."""
+    model_config = _STRICT
+
+    chunk_tokens: Optional[int] = Field(None, ge=64)   # None: as large as max_model_len allows
+    overlap_tokens: int = Field(128, ge=0)
+    map_max_tokens: int = Field(256, ge=1)
+    map_prompt: str = Field(default_factory=lambda: _longdoc_defaults()[0], min_length=1)
+    reduce_prompt: str = Field(default_factory=lambda: _longdoc_defaults()[1], min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChunkingSpec":
+        from dlbatch.longdoc import MAP_VARIABLES, REDUCE_VARIABLES
+
+        validate_template("map_prompt", self.map_prompt, MAP_VARIABLES)
+        validate_template("reduce_prompt", self.reduce_prompt, REDUCE_VARIABLES)
+        if self.chunk_tokens is not None and self.overlap_tokens > self.chunk_tokens // 4:
+            raise ValueError(f"overlap_tokens {self.overlap_tokens} must be at most chunk_tokens / 4 "
+                             f"({self.chunk_tokens // 4})")
+        return self
+
+
+def _longdoc_defaults() -> tuple[str, str]:
+    from dlbatch.longdoc import DEFAULT_MAP_PROMPT, DEFAULT_REDUCE_PROMPT
+
+    return DEFAULT_MAP_PROMPT, DEFAULT_REDUCE_PROMPT
 
 
 class SamplingSpec(BaseModel):
@@ -390,7 +422,8 @@ class JobSpec(BaseModel):
     model: ModelSpec = Field(default_factory=ModelSpec)
     tasks: list[TaskSpec] = Field(default_factory=_default_tasks, min_length=1)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
-    long_inputs: Literal["truncate", "skip"] = "truncate"
+    long_inputs: LongInputPolicy = "truncate"
+    chunking: ChunkingSpec = Field(default_factory=ChunkingSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     retries: RetriesSpec = Field(default_factory=RetriesSpec)
@@ -704,6 +737,11 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
         if task.output is not None or task.system is not None or task.chat_template_kwargs or task.raw:
             fields[f"tasks.{task.name}.output"] = task.output.model_dump() if task.output is not None else None
             fields[f"tasks.{task.name}.chat"] = [task.system, task.chat_template_kwargs, task.raw]
+        if task.long_inputs is not None:  # only when set: older jobs keep their fingerprint
+            fields[f"tasks.{task.name}.long_inputs"] = task.long_inputs
+    if "chunk" in {spec.long_inputs, *(t.long_inputs for t in spec.tasks)}:
+        for key, value in spec.chunking.model_dump().items():
+            fields[f"chunking.{key}"] = value
     return fields
 
 

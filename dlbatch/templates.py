@@ -13,6 +13,18 @@ The variables a template may use are :data:`TEMPLATE_VARIABLES`::
     doc_id   the stable document id
     source   where the document came from (path or URL)
     pages    number of pages (PDF) or None
+    abstract the abstract ("" when none was found or the format has none)
+    references               the reference list's text ("" when none)
+    text_without_references  the text less the references part (heading included)
+    section(name)            a section's text, its subsections included (see below)
+
+``section("Methods")`` matches headings case-insensitively and ignores numbering:
+"3 Methods", "III. METHODS" and "3.1. Methods" all match "methods". An exact match wins,
+else the first heading that starts with the name ("Methods and Materials"), else "" (the
+empty string: a template can test ``{% if section("Appendix") %}``). The text of a match
+includes its subsections (deeper-numbered headings that follow), with their headings.
+Structure comes from the PDF connector (connectors/sections.py); other formats have no
+sections, so there ``section(...)`` is "" and ``text_without_references`` is the text.
 
 Usage::
 
@@ -41,9 +53,12 @@ __all__ = [
     "compile_task_templates",
     "split_prefix",
     "check_shared_prefix",
+    "document_context",
+    "find_section",
 ]
 
-TEMPLATE_VARIABLES: tuple[str, ...] = ("text", "title", "doc_id", "source", "pages")
+TEMPLATE_VARIABLES: tuple[str, ...] = ("text", "title", "doc_id", "source", "pages", "abstract", "references",
+                                        "text_without_references", "section")
 
 
 class TemplateError(ValueError):
@@ -130,10 +145,50 @@ def compile_task_templates(tasks: Sequence[Any]) -> Callable[[Mapping[str, Any]]
         raise ValueError("compile_task_templates needs at least one task")
 
     def render(doc: Mapping[str, Any]) -> list[str]:
-        context = {k: doc[k] for k in TEMPLATE_VARIABLES if k in doc}
+        context = document_context(doc)
         return [_render(name, tpl, context) for name, tpl in compiled]
 
     return render
+
+
+def find_section(sections: Sequence[Mapping[str, Any]], name: str) -> str:
+    """The text of the section called ``name`` with its subsections; "" when absent."""
+    from connectors.sections import normalize_heading
+
+    want = normalize_heading(str(name))
+    if not want or not sections:
+        return ""
+    keys = [normalize_heading(str(s.get("heading", ""))) for s in sections]
+    hit = next((i for i, k in enumerate(keys) if k == want), None)
+    if hit is None:
+        hit = next((i for i, k in enumerate(keys) if k.startswith(want)), None)
+    if hit is None:
+        return ""
+    level = int(sections[hit].get("level") or 1)
+    pieces = [str(sections[hit].get("text") or "")]
+    for sub in sections[hit + 1:]:
+        if int(sub.get("level") or 1) <= level:
+            break
+        pieces.append(f"{sub.get('heading', '')}\n\n{sub.get('text') or ''}")
+    return "\n\n".join(p for p in pieces if p)
+
+
+def document_context(doc: Mapping[str, Any]) -> dict:
+    """What templates see for one document: the plain fields as given, the structure
+    fields with their defaults (no structure -> "" / the whole text), ``section``."""
+    context = {k: doc[k] for k in ("text", "title", "doc_id", "source", "pages") if k in doc}
+    text = doc.get("text") or ""
+    sections = list(doc.get("sections") or ())
+    context["abstract"] = doc.get("abstract") or ""
+    context["references"] = doc.get("references") or ""
+    if "text_without_references" in doc:
+        context["text_without_references"] = doc["text_without_references"]
+    else:
+        span = doc.get("references_span")
+        context["text_without_references"] = (
+            (text[:span[0]] + text[span[1]:]).strip("\n") if span else text)
+    context["section"] = lambda name: find_section(sections, name)
+    return context
 
 
 def split_prefix(rendered_prompts: Sequence[str]) -> int:

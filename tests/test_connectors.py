@@ -24,6 +24,7 @@ from connectors.text_sources import read_hf, read_jsonl, read_parquet, read_text
 from tests.bad_inputs import build_bad_corpus
 
 ROW_KEYS = {"doc_id", "source", "text", "title", "pages", "error", "error_type"}
+PDF_STRUCTURE_KEYS = {"abstract", "sections", "references", "references_span"}  # readable PDFs only
 
 
 @pytest.fixture
@@ -48,7 +49,7 @@ def test_bad_pdfs_become_error_rows_and_good_ones_come_out(corpus):
     rows = {pathlib.Path(u).name: list(read_document_file(u, "pdf", max_pages=10)) for u in urls}
     for name, expected in corpus.pdf_expected.items():
         (row,) = rows[name]
-        assert set(row) == ROW_KEYS
+        assert set(row) == (ROW_KEYS | PDF_STRUCTURE_KEYS if expected is None else ROW_KEYS)
         assert row["error_type"] == expected, (name, row["error"])
         if expected is None:
             assert row["error"] is None and row["text"]

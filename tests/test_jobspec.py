@@ -125,7 +125,7 @@ def test_bad_enum_names_file_key_and_value():
     "data, key, fragment",
     [
         (job(input={"format": "csv"}), "input.format", "'csv' is not one of pdf, jsonl, parquet, text, hf"),
-        (job(long_inputs="drop"), "long_inputs", "'drop' is not one of truncate, skip"),
+        (job(long_inputs="drop"), "long_inputs", "'drop' is not one of truncate, middle, skip, chunk"),
         (job(router={"policy": "random"}), "router.policy", "'random' is not one of prefix_aware"),
         (job(cluster={"kv_transport": "nccl"}), "cluster.kv_transport", "'nccl' is not one of auto, object_store"),
     ],
@@ -418,6 +418,10 @@ def test_fingerprint_stable_and_sensitive(tmp_path, monkeypatch):
         job(model={"max_model_len": 4096}),
         job(sampling={"temperature": 0.5}),
         job(long_inputs="skip"),
+        job(long_inputs="chunk"),
+        job(tasks=[{"name": "summary", "prompt": "{{ text }}\n\nSummarize this paper in three sentences.",
+                    "max_tokens": 128, "long_inputs": "middle"},
+                   {"name": "keywords", "prompt": "{{ text }}\n\nList five keywords of this paper.", "max_tokens": 32}]),
         job(input={"path": "other"}),
         job(input={"format": "jsonl"}),
         job(tasks=[{"name": "summary", "prompt": "{{ text }} TL;DR", "max_tokens": 128}]),
@@ -455,3 +459,19 @@ def test_output_path_above_cwd(tmp_path, monkeypatch):
     msg = error_of(job(output={"path": ".."}))
     assert f"'..' resolves to {str(tmp_path / 'a')!r}, which contains the current directory" in msg
     assert parse_job(job(output={"path": "../sibling"})).output.path == str(tmp_path / "a" / "sibling")
+
+
+def test_long_input_policies_per_job_and_task(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = parse_job(job(long_inputs="chunk", chunking={"chunk_tokens": 2000, "overlap_tokens": 100},
+                         tasks=[{"name": "a", "prompt": "{{ text }} A"},
+                                {"name": "b", "prompt": "{{ abstract }} B", "long_inputs": "middle"}]))
+    assert spec.long_inputs == "chunk" and [t.long_inputs for t in spec.tasks] == [None, "middle"]
+    assert spec.chunking.chunk_tokens == 2000 and "{{ text }}" in spec.chunking.map_prompt
+    assert parse_job(MINIMAL).chunking.chunk_tokens is None
+    with pytest.raises(JobSpecError, match="overlap_tokens 600 must be at most chunk_tokens / 4"):
+        parse_job(job(chunking={"chunk_tokens": 2000, "overlap_tokens": 600}))
+    with pytest.raises(JobSpecError, match="reduce_prompt.*'text'"):
+        parse_job(job(chunking={"reduce_prompt": "{{ text }}"}))
+    with pytest.raises(JobSpecError, match="'cut' is not one of truncate, middle, skip, chunk"):
+        parse_job(job(tasks=[{"name": "a", "prompt": "{{ text }}", "long_inputs": "cut"}]))

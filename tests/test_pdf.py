@@ -28,6 +28,8 @@ def _load_samples_module():
 
 SAMPLES = _load_samples_module()
 PAPER_IDS = [p.slug for p in SAMPLES.PAPERS]
+SHORT_IDS = [p.slug for p in SAMPLES.SHORT_PAPERS]
+LONG_IDS = [p.slug for p in SAMPLES.LONG_PAPERS]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def _raw_lines(data: bytes) -> list[str]:
 
 def test_samples_are_small_multi_page_and_have_the_features_we_undo(extracted):
     two_column = 0
-    for paper, data, _ in extracted.values():
+    for paper, data, _ in (extracted[slug] for slug in SHORT_IDS):
         assert len(data) < 100 * 1024
         doc = pymupdf.open(stream=data, filetype="pdf")
         assert 2 <= doc.page_count <= 4
@@ -65,7 +67,41 @@ def test_samples_are_small_multi_page_and_have_the_features_we_undo(extracted):
     assert two_column >= 2
 
 
-@pytest.mark.parametrize("slug", PAPER_IDS)
+def test_long_samples_have_real_length_and_structure(extracted):
+    """>= 8K tokens and 8-20 pages each, two columns, captions and references; the
+    repository stays small."""
+    from dlbatch.engine.loader import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    assert len(LONG_IDS) >= 4
+    for slug in LONG_IDS:
+        paper, data, row = extracted[slug]
+        assert len(data) < 160 * 1024
+        assert 8 <= row["pages"] <= 20
+        assert len(tok.encode(row["text"], add_special_tokens=False)) >= 8000
+        assert paper.columns == 2 and paper.references
+        assert any(isinstance(p, SAMPLES.Figure) for _, paras in paper.sections for p in paras)
+        lines = _raw_lines(data)
+        assert sum(l.strip() == paper.header for l in lines) == row["pages"]
+        assert any(l.startswith("Figure 1:") for l in lines) and "References" in lines
+    assert sum(p.stat().st_size for p in PAPERS_DIR.glob("*.pdf")) < 2 * 1024 * 1024
+
+
+@pytest.mark.parametrize("slug", LONG_IDS)
+def test_long_sample_text_has_every_word_in_order(extracted, slug):
+    """Every word of the source, in order, nothing else. Paragraph boundaries are not
+    compared: a paragraph that a column break splits right after a full stop cannot be
+    told from two paragraphs without indentation, so the extractor may split it."""
+    paper, _, row = extracted[slug]
+    assert row["error"] is None
+    assert row["text"].split() == " ".join(paper.paragraphs()).split()
+    paragraphs = row["text"].split("\n\n")
+    assert set(paper.paragraphs()[:4]) <= set(paragraphs)  # title, authors, Abstract, abstract
+    headings = [h for h, _ in paper.sections] + ["References"]
+    assert [p for p in paragraphs if p in headings] == headings
+
+
+@pytest.mark.parametrize("slug", SHORT_IDS)
 def test_sample_paper_text_matches_source_exactly(extracted, slug):
     """Same paragraphs, same order: columns read left then right, headers/footers/page
     numbers gone, hyphenated words joined, ligatures expanded."""
@@ -120,9 +156,12 @@ def test_two_column_reading_order(extracted):
     assert naive.index(right_head[0] + " " + right_head[1]) < naive.index(" ".join(left_tail[-2:]))
 
 
-def test_generator_is_deterministic(tmp_path):
-    paper = SAMPLES.PAPERS[1]
+@pytest.mark.parametrize("index", [1, 4])
+def test_generator_is_deterministic(index):
+    paper = SAMPLES.PAPERS[index]
     assert SAMPLES.build_pdf(paper) == (PAPERS_DIR / f"{paper.slug}.pdf").read_bytes()
+    if paper.references:  # the generated text too, not only the drawing
+        assert SAMPLES.long_paper(SAMPLES.LONG_TOPICS[index - 4]) == paper
 
 
 # ------------------------------------------------------------------ string-level helpers
@@ -223,5 +262,6 @@ def test_max_pages_caps_pages_read():
 
 def test_good_pdf_row_shape():
     row = extract_pdf(good_pdf(), "good.pdf")
-    assert set(row) == {"doc_id", "source", "text", "title", "pages", "error", "error_type"}
+    assert set(row) == {"doc_id", "source", "text", "title", "pages", "error", "error_type",
+                        "abstract", "sections", "references", "references_span"}
     assert row["text"].startswith("A good paper about coastal fog.")

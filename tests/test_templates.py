@@ -32,7 +32,8 @@ def test_renders_every_task_in_order_with_all_variables():
         "Attention is all you need.\n\nSummarize.",
         "Attention is all you need.\nTitle: Transformers (11 pages, d1, s3://b/p.pdf)",
     ]
-    assert set(TEMPLATE_VARIABLES) == {"text", "title", "doc_id", "source", "pages"}
+    assert set(TEMPLATE_VARIABLES) == {"text", "title", "doc_id", "source", "pages", "abstract", "references",
+                                       "text_without_references", "section"}
 
 
 def test_rendering_is_verbatim_no_html_escaping_and_trailing_newline_kept():
@@ -135,3 +136,50 @@ def test_check_shared_prefix_warns_when_not():
         assert check_shared_prefix(tasks("{{ text }}\nA", "Summarize: {{ text }}")) is False
     with pytest.warns(UserWarning):
         assert check_shared_prefix(tasks("{{ title }}: summarize")) is False
+
+
+# ------------------------------------------------------------------ document structure
+
+PAPER = {
+    "text": "T\n\nAbstract\n\nWe did X.\n\n1 Introduction\n\nIntro.\n\n3 Methods\n\nM.\n\n3.1 Sites\n\nS."
+            "\n\n4 Results\n\nR.\n\nReferences\n\n[1] A. B. C, 2001.",
+    "title": "T", "doc_id": "d", "source": "s", "pages": 9, "abstract": "We did X.",
+    "sections": [{"heading": "1 Introduction", "level": 1, "text": "Intro."},
+                 {"heading": "3 Methods", "level": 1, "text": "M."},
+                 {"heading": "3.1 Sites", "level": 2, "text": "S."},
+                 {"heading": "4 Results", "level": 1, "text": "R."}],
+    "references": "[1] A. B. C, 2001.",
+}
+PAPER["references_span"] = [PAPER["text"].index("References"), len(PAPER["text"])]
+
+
+def test_structure_variables():
+    render = compile_task_templates(tasks(
+        "{{ abstract }}|{{ references }}",
+        "{{ section('Methods') }}",
+        "{{ section('METHODS') }}/{{ section('3 methods') }}/{{ section('iii. methods') }}",
+        "{{ section('intro') }}|{{ section('Sites') }}",
+        "[{{ section('Appendix') }}]{% if not section('Appendix') %}none{% endif %}",
+        "{{ text_without_references }}",
+    ))
+    out = render(PAPER)
+    assert out[0] == "We did X.|[1] A. B. C, 2001."
+    assert out[1] == "M.\n\n3.1 Sites\n\nS."  # subsections included, the next level-1 section not
+    assert out[2] == "/".join([out[1]] * 3)    # case and numbering do not matter
+    assert out[3] == "Intro.|S."                # prefix match
+    assert out[4] == "[]none"
+    assert out[5] == PAPER["text"][:PAPER["text"].index("\n\nReferences")]
+    assert "[1]" not in out[5] and out[5].endswith("R.")
+
+
+def test_structure_defaults_without_sections():
+    """Formats without structure (jsonl, text): abstract/references empty, no sections,
+    text_without_references is the text."""
+    render = compile_task_templates(tasks("{{ abstract }}|{{ section('Methods') }}|{{ text_without_references }}"))
+    assert render(DOC) == ["||Attention is all you need."]
+
+
+def test_section_cannot_escape_the_sandbox():
+    render = compile_task_templates(tasks("{{ section.__globals__ }}"))
+    with pytest.raises(TemplateError, match="t0"):
+        render(PAPER)

@@ -36,8 +36,9 @@ def make_tokenizer_json(vocab_size: int) -> str:
     return tk.to_str()
 
 
-def make_tiny_model(arch: str, path: str, seed: int = 0):
-    """Create and save a tiny random model; returns the transformers model (fp32, eval)."""
+def make_tiny_model(arch: str, path: str, seed: int = 0, overrides: dict | None = None):
+    """Create and save a tiny random model; returns the transformers model (fp32, eval).
+    ``overrides``: config keys on top of the arch's (e.g. rope_scaling)."""
     import torch
     import transformers
 
@@ -46,6 +47,7 @@ def make_tiny_model(arch: str, path: str, seed: int = 0):
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               rms_norm_eps=1e-6, initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     kw.update(extra)
+    kw.update(overrides or {})
     config = getattr(transformers, cls_name)(**kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")

@@ -16,11 +16,18 @@ class ModelConfigError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | yarn | dynamic
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # yarn (transformers' _compute_yarn_parameters): ramp bounds and the cos/sin scale
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # None: from factor (and mscale / mscale_all_dim)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,14 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence the model takes: max_position_embeddings, times the
+        factor for dynamic NTK (which extends past it at run time)."""
+        if self.rope.kind == "dynamic":
+            return int(self.max_position_embeddings * self.rope.factor)
+        return self.max_position_embeddings
 
     @property
     def q_size(self) -> int:
@@ -114,15 +129,29 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     merged = {**scaling, **params}
     kind = merged.get("rope_type") or merged.get("type") or "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise ModelConfigError(f"{source}: rope type {kind!r} is not supported (default, linear, llama3)")
+    if kind not in ("default", "linear", "llama3", "yarn", "dynamic"):
+        raise ModelConfigError(f"{source}: rope type {kind!r} is not supported (default, linear, llama3, yarn, dynamic)")
+    max_pos = int(cfg.get("max_position_embeddings", 8192))
+    original = int(merged.get("original_max_position_embeddings") or (8192 if kind == "llama3" else max_pos))
+    factor = merged.get("factor")
+    if factor is None:  # transformers (yarn): the ratio of the extended to the original context
+        factor = max_pos / original if kind == "yarn" else 1.0
+    if kind in ("yarn", "dynamic", "linear") and float(factor) < 1.0:
+        raise ModelConfigError(f"{source}: rope_scaling factor must be >= 1 for {kind}, got {factor!r}")
+    opt = lambda key: None if merged.get(key) is None else float(merged[key])  # noqa: E731
     return RopeConfig(
         theta=float(theta),
         kind=kind,
-        factor=float(merged.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+        original_max_position=original,
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        attention_factor=opt("attention_factor"),
+        mscale=opt("mscale"),
+        mscale_all_dim=opt("mscale_all_dim"),
+        truncate=bool(merged.get("truncate", True)),
     )
 
 

@@ -32,9 +32,11 @@ class LLM:
             torch.set_num_threads(num_threads)
         loaded = load_model(model, storage_options)
         mml = max_model_len or min(loaded.config.max_position_embeddings, 8192)
-        if mml > loaded.config.max_position_embeddings:
+        if mml > loaded.config.context_limit:
             raise ValueError(f"max_model_len {mml} exceeds the model's max_position_embeddings "
-                             f"{loaded.config.max_position_embeddings}")
+                             f"{loaded.config.max_position_embeddings}"
+                             + (f" x dynamic rope factor {loaded.config.rope.factor:g}"
+                                if loaded.config.rope.kind == "dynamic" else ""))
         config = EngineConfig(dtype=dtype, device=device, max_model_len=mml, block_size=block_size,
                               kv_cache_memory=parse_kv_memory(kv_cache_memory), num_kv_blocks=num_kv_blocks,
                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -20,10 +20,25 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, max_len: int | None = None) -> torch.Tensor:
+    """Inverse rotary frequencies, as transformers computes them for each rope type.
+
+    ``dynamic`` (NTK): transformers recomputes the base from the current sequence length
+    (largest position + 1) whenever it exceeds ``max_position_embeddings``. Our cos/sin
+    table is shared by every sequence and keys are cached rotated, so the base is fixed
+    once, for a sequence of ``max_len`` (the engine's max_model_len): equal to
+    transformers for a sequence of exactly that length and for any sequence when
+    ``max_len <= max_position_embeddings``; in between it differs (docs/long_documents.md).
+    """
     rope = config.rope
     d = config.head_dim
-    inv = 1.0 / (rope.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, d)
+    theta = rope.theta
+    if rope.kind == "dynamic" and max_len is not None and max_len > config.max_position_embeddings:
+        ratio = rope.factor * max_len / config.max_position_embeddings - (rope.factor - 1)
+        theta = theta * ratio ** (d / (d - 2))
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if rope.kind == "linear":
         inv = inv / rope.factor
     elif rope.kind == "llama3":
@@ -39,6 +54,42 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, blended, scaled)
     return inv
+
+
+def _yarn_inv_freq(rope, d: int) -> torch.Tensor:
+    """YaRN: interpolate (divide by ``factor``) the long wavelengths, keep the short ones,
+    blend linearly between the dimensions where ``beta_fast`` / ``beta_slow`` rotations fit
+    into the original context."""
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = rope.theta ** (torch.arange(0, d, 2).float() / d)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The scale transformers applies to cos and sin (YaRN's mscale); 1 for other kinds."""
+    rope = config.rope
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return get_mscale(rope.factor, rope.mscale) / get_mscale(rope.factor, rope.mscale_all_dim)
+    return get_mscale(rope.factor)
 
 
 class Layer:
@@ -84,12 +135,13 @@ class Transformer:
             self.lm_head = self.embed
         else:
             self.lm_head = w("lm_head.weight")
-        inv = rope_inv_freq(c)
+        inv = rope_inv_freq(c, max_len)
         pos = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        scale = rope_attention_factor(c)
+        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
 
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
