@@ -39,7 +39,8 @@ import uuid
 log = logging.getLogger("dlbatch.checkpoint")
 
 RESULT_COLUMNS = ["doc_id", "source", "task", "output", "prompt_tokens", "output_tokens", "finish_reason",
-                  "truncated", "model", "ttft_s", "latency_s"]
+                  "truncated", "model", "ttft_s", "latency_s", "long_input_policy", "doc_tokens", "kept_tokens",
+                  "chunks"]
 ERROR_COLUMNS = ["doc_id", "source", "task", "stage", "error_type", "error"]  # task: None = the whole document
 INDEX_COLUMNS = ["doc_id", "source", "task", "prompt_tokens", "output_tokens"]
 INDEX_DIR = "_index"
@@ -359,7 +360,11 @@ def result_schema(include_text: bool, extra_fields=()):
 
     fields = [("doc_id", pa.string()), ("source", pa.string()), ("task", pa.string()), ("output", pa.string()),
               ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()), ("finish_reason", pa.string()),
-              ("truncated", pa.bool_()), ("model", pa.string()), ("ttft_s", pa.float64()), ("latency_s", pa.float64())]
+              ("truncated", pa.bool_()), ("model", pa.string()), ("ttft_s", pa.float64()), ("latency_s", pa.float64()),
+              # long documents (docs/long_documents.md): the policy applied (null: the document fit),
+              # its length, the tokens of it the model saw, the chunks of a map-reduce
+              ("long_input_policy", pa.string()), ("doc_tokens", pa.int64()), ("kept_tokens", pa.int64()),
+              ("chunks", pa.int64())]
     if include_text:
         fields.append(("text", pa.string()))
     return pa.schema(fields + [(f.name, f.type) for f in extra_fields])

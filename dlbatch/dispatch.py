@@ -95,6 +95,8 @@ class Document:
                         "output_tokens": res.get("output_tokens", 0), "finish_reason": res.get("finish_reason"),
                         "truncated": bool(r.get("truncated")), "model": model, "ttft_s": res.get("ttft_s"),
                         "latency_s": res.get("latency_s"), "text": r.get("text"),
+                        "long_input_policy": r.get("long_input_policy"), "doc_tokens": r.get("doc_tokens"),
+                        "kept_tokens": r.get("kept_tokens"), "chunks": None,
                         **(extra(r["task"], res) if extra else {})})
         return out
 

@@ -89,8 +89,9 @@ class _InputFeed:
     """Request rows from the prefetcher into the dispatcher. Knows how long the driver has
     been idle (nothing in flight, no document open) waiting for the input pipeline."""
 
-    def __init__(self, prefetch: BatchPrefetcher):
+    def __init__(self, prefetch: BatchPrefetcher, prepare=lambda row: row):
         self.prefetch = prefetch
+        self.prepare = prepare  # an input row -> the request row the dispatcher takes
         self.exhausted = False
         self.idle_since: float | None = None
 
@@ -108,7 +109,7 @@ class _InputFeed:
                 return
             self.idle_since, idle = None, False
             for r in batch.to_pylist():
-                d.add_row(r)
+                d.add_row(self.prepare(r))
 
     def idle_for(self, now: float) -> float:
         return 0.0 if self.idle_since is None else now - self.idle_since
@@ -170,6 +171,7 @@ class JobRunner:
                  input_timeout_s: float = 600.0):
         self.spec = spec
         self._constraints = structured.task_constraints(spec)  # task -> engine constraint (its `output:`)
+        self._map_reduce = None  # set per run when a task chunks long documents
         self.fresh = fresh
         self.plan = plan
         self.progress = sys.stderr.isatty() if progress is None else progress
@@ -494,7 +496,18 @@ class JobRunner:
                           RetryPolicy(max_attempts=spec.retries.max_attempts),
                           max_batch_tokens=spec.batching.max_batch_tokens, window=spec.router.window,
                           inflight_cap=spec.batching.max_inflight_batches * max(len(ws) for ws in workers.values()),
-                          request_key=key, is_fatal=lambda err: str(err or "").startswith("ConstraintError"))
+                          request_key=key, is_fatal=lambda err: str(err or "").startswith("ConstraintError"),
+                          more_requests=self._map_reduce.more_requests if self._map_reduce else None)
+
+    def _make_map_reduce(self):
+        """The map -> reduce driver of `long_inputs: chunk` (dlbatch.map_reduce), when a task uses it."""
+        spec = self.spec
+        if "chunk" not in {spec.long_inputs, *(t.long_inputs for t in spec.tasks)}:
+            return None
+        from dlbatch.engine.loader import load_tokenizer
+        from dlbatch.map_reduce import MapReduce
+
+        return MapReduce(spec, load_tokenizer(spec.model.name))
 
     def _items_for(self, rows: list[dict]) -> list[dict]:
         smp = self.spec.sampling
@@ -503,6 +516,8 @@ class JobRunner:
                  "max_tokens": int(r["max_tokens"]), "temperature": smp.temperature, "top_p": smp.top_p,
                  "top_k": smp.top_k, "seed": int(r["seed"]) if smp.temperature > 0 else None,
                  **({"constraint": constraints[r["task"]]} if r["task"] in constraints else {})} for r in rows]
+        # (the map and reduce requests of a chunked task, "<task>#<key>", write free-text notes:
+        # a constrained task's constraint applies to its final row's parse, not to its notes)
 
     def _drive(self, store, batches: BatchPrefetcher, workers, t_start, sig) -> dict:
         """schedule -> submit -> wait -> results / failures -> commit, until every document is
@@ -510,12 +525,14 @@ class JobRunner:
         import ray
 
         from dlbatch.commit_buffer import CommitBuffer
+        from dlbatch.map_reduce import MapReduce
         from dlbatch.metrics import JobMetrics
         from dlbatch.ray_dispatch import RayWorkers
 
+        self._map_reduce = self._make_map_reduce()
         d = self._dispatcher(workers)
         pools = RayWorkers(self, workers, d, self._items_for)
-        feed = _InputFeed(batches)
+        feed = _InputFeed(batches, prepare=MapReduce.request_row)
         buf = CommitBuffer(self.flush_docs, self.flush_seconds)
         tally = _Tally(metrics=JobMetrics(self.spec.name), bar=self._progress_bar())
         try:
@@ -575,8 +592,10 @@ class JobRunner:
     def _collect(self, d, buf, tally) -> None:
         """Complete documents and dead letters from the dispatcher into the commit buffer."""
         spec = self.spec
+        extra = lambda task, res: structured.row_fields(spec, task, res)  # noqa: E731
         for doc in d.take_completed():
-            rows = doc.output_rows(spec.model.name, extra=lambda task, res: structured.row_fields(spec, task, res))
+            rows = (self._map_reduce.output_rows(doc, spec.model.name, extra) if self._map_reduce
+                    else doc.output_rows(spec.model.name, extra))
             buf.add_document(rows)
             tally.doc_ok(rows)
         task_errors = d.take_task_errors()  # (document, task)s that failed alone: the document goes on

@@ -20,6 +20,7 @@ def build(spec, files: list[str], skip_doc_ids: set[str], parse_concurrency: int
     if inp.limit is not None and inp.format not in ("pdf", "text"):
         ds = ds.limit(inp.limit)
     ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec_dict=spec.to_dict(),
-                                                                skip_doc_ids=sorted(skip_doc_ids)),
+                                                                skip_doc_ids=sorted(skip_doc_ids),
+                                                                map_reduce=True),
                         batch_size=8, batch_format="pyarrow", concurrency=parse_concurrency, num_cpus=0.25)
     return ds
