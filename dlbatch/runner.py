@@ -367,8 +367,8 @@ class JobRunner:
         prompt_hist: list[int] = []
         output_hist: list[int] = []
         exhausted = False
-        bar = self._progress_bar()
-        last_log = time.time()
+        progress = self._progress()
+        docs_seen = tokens_seen = 0  # documents tokenized this run and their tokens: the ETA of the others
         last_progress = time.time()
         last_check = 0.0
         missing_since: float | None = None
@@ -666,6 +666,8 @@ class JobRunner:
                             continue  # the same document twice in the input: computed once
                         doc.rows.append(r)
                         ready.append(r)
+                        docs_seen += len(doc.rows) == 1
+                        tokens_seen += len(r["prompt_ids"]) + int(r["max_tokens"])
                 check_health()
                 reform_rdt_group()
                 if suspects:
@@ -708,14 +710,10 @@ class JobRunner:
                 collect_done()
                 flush()
                 metrics.inflight(len(inflight))
-                if bar is not None:
-                    bar.n = self.already_done + self.already_failed + new_ok + new_failed
-                    bar.set_postfix_str(self._rate(t_start, prompt_tokens + output_tokens), refresh=False)
-                    bar.refresh()
-                elif time.time() - last_log > 10:
-                    last_log = time.time()
-                    log.info("progress: %d documents done, %d failed, %d tokens, %s", new_ok, new_failed,
-                             prompt_tokens + output_tokens, self._rate(t_start, prompt_tokens + output_tokens))
+                progress.update(docs_done=self.already_done + self.already_failed + new_ok + new_failed,
+                                tokens=prompt_tokens + output_tokens,
+                                remaining_tokens=self._remaining_tokens(docs, new_ok + new_failed, docs_seen,
+                                                                        tokens_seen))
         except BaseException:
             # commit every document that is complete before giving up; never a partial one
             try:
@@ -726,8 +724,7 @@ class JobRunner:
             raise
         collect_done()
         flush(force=True)
-        if bar is not None:
-            bar.close()
+        progress.close()
         stats = {}
         try:
             stats = {role: ray.get([w.stats.remote() for w in ws], timeout=60) for role, ws in workers.items()}
@@ -745,18 +742,25 @@ class JobRunner:
         return report
 
     # ------------------------------------------------------------------------------------
-    def _progress_bar(self):
-        if not self.progress:
+    def _progress(self):
+        from dlbatch.progress import Progress
+
+        return Progress(self.spec.name, total_docs=self.docs_total_hint,
+                        initial_docs=self.already_done + self.already_failed, tty=self.progress)
+
+    def _remaining_tokens(self, docs: dict, finished: int, docs_seen: int, tokens_seen: int) -> int | None:
+        """Tokens left: open requests exactly, documents not tokenized yet at the mean so far."""
+        from dlbatch.progress import remaining_tokens
+
+        open_docs = [d for d in docs.values() if not d.failed]
+        open_rows = [(len(r["prompt_ids"]), int(r["max_tokens"])) for d in open_docs for r in d.rows
+                     if r["task"] not in d.results]
+        if not docs_seen:
             return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.docs_total_hint, initial=self.already_done + self.already_failed, unit="doc",
-                    desc=self.spec.name, file=sys.stderr)
-
-    @staticmethod
-    def _rate(t_start: float, tokens: int) -> str:
-        dt = max(1e-9, time.time() - t_start)
-        return f"{tokens / dt:.0f} tok/s"
+        if self.docs_total_hint is None:  # a table input: only what is tokenized is known
+            return sum(p + m for p, m in open_rows)
+        unseen = self.docs_total_hint - self.already_done - self.already_failed - finished - len(open_docs)
+        return remaining_tokens(open_rows, unseen, tokens_seen / docs_seen)
 
     def _finish(self, store, t_start, stats, new_ok, new_failed, rows, prompt_tokens=0, output_tokens=0,
                 prompt_hist=(), output_hist=(), router=None, noop_docs=False) -> dict:
