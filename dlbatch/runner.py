@@ -54,12 +54,14 @@ class BatchPrefetcher:
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._ds = ds
+        self.first_batch_at: float | None = None  # wall time the first batch came out (start-up breakdown)
         self._thread = threading.Thread(target=self._run, name="dlbatch-prefetch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
             for batch in self._ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                self.first_batch_at = self.first_batch_at or time.time()
                 while not self._stop.is_set():
                     try:
                         self._q.put(batch, timeout=0.5)
@@ -136,6 +138,9 @@ class JobRunner:
         self.worker_pids: dict = {}  # (role, idx) -> pid of the worker's process, from its pings
         self.inflight = 0  # batches in flight now (tests: kill a worker mid-batch)
         self.io_retries_start = 0
+        self.prefetch = None  # the running BatchPrefetcher (its first batch time goes to the report)
+        self.startup = None  # StartupClock of the run: where the time before the first token went
+        self.gen = None  # GenerationTimeline: tokens by the time workers generated them
 
     # ------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -145,8 +150,12 @@ class JobRunner:
 
         from connectors.io_retry import retry_count
 
+        from dlbatch.gentimeline import GenerationTimeline, StartupClock
+
         spec = self.spec
         t_start = time.time()
+        self.startup, self.gen = StartupClock(t_start), GenerationTimeline(t_start)
+        self._note_process_start(t_start)
         self.io_retries_start = retry_count()
         store = OutputStore(spec.output.path, dict(spec.output.storage_options))
         if self.fresh:
@@ -155,7 +164,9 @@ class JobRunner:
         manifest = store.read_json("_manifest.json")
         if manifest is not None:
             check_resume_compatible(manifest.get("fields", {}), spec, output=spec.output.path)
+        self.startup.start("list_inputs")
         files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
+        self.startup.end("list_inputs")
         if spec.input.limit is not None and spec.input.format in ("pdf", "text"):
             files = files[:spec.input.limit]
         sig = inputs_signature(files)
@@ -246,6 +257,7 @@ class JobRunner:
                 raise JobFailed(f"{len(pending)} workers did not start within {max(600.0, self.resource_timeout_s):.0f} s")
         infos = ray.get(refs, timeout=60)  # raises if a worker failed to start
         self.worker_pids = {k: info.get("pid") for k, info in zip(keys, infos)}
+        self._note_worker_startup(infos)
 
     def _run_pools(self, store, files, skip_docs, t_start, sig) -> dict:
         import ray
@@ -276,8 +288,12 @@ class JobRunner:
             except Exception as e:
                 raise JobFailed(f"cluster.kv_transport={via!r} cannot run here: {e}") from None
         self.kv_via = via
+        self.startup.start("model_cache")
         model_dir(spec.model.name)  # convert a GGUF once, before workers race for it
+        self.startup.end("model_cache")
+        self.startup.start("ray_start")
         started = start_ray(spec.cluster.address, dict(chips))
+        self.startup.end("ray_start")
         workers: dict[str, list] = {}
         prefetch = None
         self.workers = workers
@@ -285,6 +301,7 @@ class JobRunner:
         try:
             self._wait_for_resources(time.time())
             use_rdt = "prefill" in pools and self.kv_via == "rdt"
+            self.startup.start("workers_ready")
             for role, pool in pools.items():
                 cls = make_worker_class(role, tensor_transport=use_rdt)
                 threads = max(1, int(round(pool.num_cpus))) if pool.device == "cpu" else 1
@@ -300,8 +317,12 @@ class JobRunner:
             from pipelines import get_pipeline
 
             # documents are parsed and tokenized while the workers load the model
+            t_data = time.time()
             prefetch = BatchPrefetcher(get_pipeline(spec.pipeline).build(spec, files, skip_docs))
+            self.prefetch = prefetch
+            self.startup.span("data_plan", t_data, time.time())
             self._wait_workers_up(workers)
+            self.startup.end("workers_ready")
             if use_rdt:  # one collective group over every prefill and decode worker
                 from dlbatch.transfer import rdt
 
@@ -516,6 +537,7 @@ class JobRunner:
                 if doc is None or doc.failed:
                     continue
                 doc.results[task] = res
+            self.gen.add(res, time.time())
 
         def fail_items(items, reason: str, etype: str):
             failed_docs = dict.fromkeys(it["request_id"].rsplit("::", 1)[0] for it in items)
@@ -766,7 +788,8 @@ class JobRunner:
                 prompt_hist=(), output_hist=(), router=None, noop_docs=False) -> dict:
         from connectors.io_retry import retry_count
 
-        wall = time.time() - t_start
+        t_finish = time.time()
+        wall = t_finish - t_start
         pools = {}
         prefill_computed = 0
         cached = 0
@@ -795,15 +818,61 @@ class JobRunner:
             "retries": {"worker": self.retries, "io": retry_count() - self.io_retries_start},
             "timeline": self.timeline, "prompt_token_hist": list(prompt_hist), "output_token_hist": list(output_hist),
         }
+        report.update(self._startup_report())
         if self.plan and self.plan.get("usd_per_hour"):
             usd_h = float(self.plan["usd_per_hour"])
             report["cost"] = {"usd_per_hour": usd_h, "usd_total": round(usd_h * wall / 3600, 6),
                               "usd_per_million_tokens": round(usd_h * wall / 3600 / max(tokens, 1) * 1e6, 6)}
         store.write_json("_report.json", report)
+        t_render = time.time()
         try:
             from dlbatch.report_html import render_report
 
             render_report(report, store.url, store.storage_options)
         except Exception as e:  # pragma: no cover - a report figure must not fail the job
             log.warning("could not render the HTML report: %s", e)
+        if self.startup is not None:
+            log.info("start-up: %s; report written in %.1f s (job stats %.1f s)", self._startup_line(report),
+                     time.time() - t_render, t_render - t_finish)
         return report
+
+    # ------------------------------------------------------------------------------------
+    def _note_process_start(self, t_start: float) -> None:
+        """The driver process's own start-up (interpreter, imports, job file) before run()."""
+        try:
+            import psutil
+
+            self.startup.span("driver_process", psutil.Process().create_time(), t_start)
+        except Exception:  # psutil missing or /proc unreadable: the breakdown does without
+            pass
+
+    def _note_worker_startup(self, infos: list[dict]) -> None:
+        """Worker processes' start (Ray starts a Python process, imports) and model load."""
+        procs = [i["t_process"] for i in infos if i.get("t_process")]
+        inits = [i["t_init"] for i in infos if i.get("t_init")]
+        readies = [i["t_ready"] for i in infos if i.get("t_ready")]
+        if procs and inits:
+            self.startup.span("worker_process", min(procs), max(inits))
+        if inits and readies:
+            self.startup.span("model_load", min(inits), max(readies))
+
+    def _startup_report(self) -> dict:
+        """`startup` (intervals before the first token) and `generation` (tokens by the time
+        workers generated them) sections of the report."""
+        if self.startup is None or self.gen is None:
+            return {}
+        pf = getattr(self, "prefetch", None)
+        if pf is not None and pf.first_batch_at is not None and "data_plan" in self.startup.intervals:
+            self.startup.span("data_first_batch", self.startup.t0 + self.startup.intervals["data_plan"][0],
+                              pf.first_batch_at)
+        if self.gen.first_token is not None:
+            self.startup.span("generation", self.gen.first_token, self.gen.last_done)
+        return {"startup": self.startup.to_dict(self.gen.first_token), "generation": self.gen.to_dict()}
+
+    @staticmethod
+    def _startup_line(report: dict) -> str:
+        st = report.get("startup") or {}
+        parts = [f"{k} {v:.1f} s" for k, v in (st.get("phases_s") or {}).items()]
+        if st.get("to_first_token_s") is not None:
+            parts.append(f"first token {st['to_first_token_s']:.1f} s after the process started")
+        return ", ".join(parts) or "no timings"
