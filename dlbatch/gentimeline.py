@@ -3,8 +3,9 @@
 `GenerationTimeline` bins each finished request by when its worker generated it, not by
 when the driver committed it (a small job commits everything at the end, which made a
 commit-time plot one spike). Prefill tokens (prompt tokens computed, i.e. not served from
-the prefix cache) count at the request's first token, which ends its prefill; output tokens
-are spread evenly over [first token, done]. Times are the workers' wall clocks
+the prefix cache) are spread evenly over [first token - ttft, first token] (ttft counts from
+the request's arrival in the engine, so a wait in its queue widens it); output tokens over
+[first token, done]. Times are the workers' wall clocks
 (``t_first_token``/``t_done`` in each result); a time the driver could not have seen yet
 (after the driver received the result) or from before the run comes from a clock that
 disagrees with the driver's, and the driver's receive time is used instead (both stamps
@@ -82,7 +83,8 @@ class GenerationTimeline:
         received = time.time() if received is None else received
         t_ft, t_done = self.times(res, received)
         prompt = res.get("prompt_tokens") or 0
-        self._spread("prefill", t_ft, t_ft, max(0, prompt - (res.get("cached_tokens") or 0)))
+        ttft = res.get("ttft_s") if isinstance(res.get("ttft_s"), (int, float)) else 0.0
+        self._spread("prefill", max(self.t0, t_ft - ttft), t_ft, max(0, prompt - (res.get("cached_tokens") or 0)))
         self._spread("decode", t_ft, t_done, res.get("output_tokens") or 0)
         self.first_token = t_ft if self.first_token is None else min(self.first_token, t_ft)
         self.last_done = t_done if self.last_done is None else max(self.last_done, t_done)

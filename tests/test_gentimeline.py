@@ -8,9 +8,9 @@ from dlbatch.gentimeline import GenerationTimeline, StartupClock
 T0 = 1_000_000.0
 
 
-def result(t_first, t_done, prompt=1000, cached=0, out=50):
+def result(t_first, t_done, prompt=1000, cached=0, out=50, ttft=0.0):
     return {"request_id": "x", "prompt_tokens": prompt, "cached_tokens": cached, "output_tokens": out,
-            "t_first_token": T0 + t_first, "t_done": T0 + t_done, "ttft_s": 1.0, "latency_s": t_done - t_first + 1.0}
+            "t_first_token": T0 + t_first, "t_done": T0 + t_done, "ttft_s": ttft, "latency_s": t_done - t_first + ttft}
 
 
 def test_requests_received_together_land_in_the_bins_of_their_generation_time():
@@ -31,6 +31,12 @@ def test_requests_received_together_land_in_the_bins_of_their_generation_time():
     assert d["requests"] == 3 and d["driver_clock_requests"] == 0
 
 
+def test_prefill_is_spread_over_the_time_to_first_token():
+    g = GenerationTimeline(T0, bin_s=1.0)
+    g.add(result(14.0, 15.0, prompt=4000, out=1, ttft=4.0), received=T0 + 30.0)
+    assert g.to_dict()["prefill_tokens"][10:14] == pytest.approx([1000, 1000, 1000, 1000])
+
+
 def test_a_worker_clock_ahead_of_the_driver_falls_back_to_the_receive_time():
     g = GenerationTimeline(T0, bin_s=1.0)
     res = result(40.0, 45.0, out=10)  # the worker says 45 s, but the driver received it at 12 s
@@ -41,7 +47,7 @@ def test_a_worker_clock_ahead_of_the_driver_falls_back_to_the_receive_time():
     assert d["prefill_tokens"][7] == 1000
     # no worker times at all (an older worker): the receive time, first token from ttft/latency
     g.add({"prompt_tokens": 10, "output_tokens": 3, "ttft_s": 1.0, "latency_s": 3.0}, received=T0 + 20.0)
-    assert g.to_dict()["prefill_tokens"][18] == 10
+    assert g.to_dict()["prefill_tokens"][17] == 10  # first token at 18 s, prefill over the 1 s ttft before it
 
 
 def test_bins_widen_to_stay_bounded_and_keep_every_token():
