@@ -55,6 +55,11 @@ def register(sub) -> None:
     p.add_argument("--runtime-env-json", default=None, metavar="JSON",
                    help='extra runtime_env fields merged into the generated one, e.g. \'{"pip": ["x"]}\'')
     p.add_argument("--entrypoint-num-cpus", type=float, default=None, help="CPUs reserved for the job driver")
+    p.add_argument("--install-deps", action="store_true",
+                   help="add the project's runtime requirements, pinned to the versions installed here, to the "
+                        "job's runtime_env pip (for a cluster whose python lacks them)")
+    p.add_argument("--no-preflight", action="store_true",
+                   help="skip the check that the cluster's python has what the job needs")
     p.set_defaults(func=cmd_submit)
 
     lg = sub.add_parser("logs", help="print the log of a submitted job")
@@ -255,6 +260,15 @@ def cmd_submit(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
     url = dashboard_url(args.address)
+    if args.install_deps:
+        from dlbatch.preflight import pinned_requirements
+
+        extra = dict(extra or {})
+        extra["pip"] = list(extra.get("pip") or []) + pinned_requirements()
+    elif not args.no_preflight:
+        refused = _preflight(client, url, args.python, spec.model.name)
+        if refused is not None:
+            return refused
     with tempfile.TemporaryDirectory(prefix="dlbatch-submit-") as stage:
         job_rel = build_upload(spec, stage)
         ep = entrypoint(job_rel, args.python, args.fresh)
@@ -280,6 +294,30 @@ def cmd_submit(args) -> int:
     if not (args.wait or args.follow):
         return EXIT_OK
     return wait_for(client, sid, url, follow=args.follow, timeout=args.timeout)
+
+
+def _preflight(client, url: str, python: str, model_name: str) -> int | None:
+    """None when the cluster's python has what the job needs, else the exit code after
+    printing what is missing and the fixes."""
+    from dlbatch.preflight import missing, probe_cluster, refusal, versions_line
+
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            report = probe_cluster(client, python, model_name, runtime_env(".")["env_vars"])
+            break
+        except Exception as e:
+            if "No available agent" in str(e) and time.monotonic() < deadline:
+                time.sleep(2)
+                continue
+            print(f"error: the preflight check on {url} failed: {str(e).strip()[:800]} "
+                  f"(--no-preflight skips it)", file=sys.stderr)
+            return EXIT_FAILED
+    if missing(report):
+        print(f"error: {refusal(report, url, python)}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"preflight: the cluster's python has what the job needs ({versions_line(report)})", file=sys.stderr)
+    return None
 
 
 def wait_for(client, sid: str, url: str, follow: bool = False, timeout: float | None = None,

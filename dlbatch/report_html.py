@@ -2,8 +2,12 @@
 
 ``render_report(report, out_dir)`` writes two files next to a job's output:
 
-* ``_report.png``: a 2x2 figure: throughput over time (tokens/s from the
-  timeline), per-pool utilisation, prompt-token and output-token histograms;
+* ``_report.png``: a 2x2 figure: throughput over time, per-pool utilisation,
+  prompt-token and output-token histograms. Throughput is binned by the time the
+  workers generated the tokens (the report's ``generation`` section: prefill and
+  decode tokens per bin, stacked), with the start-up before the first token (Ray
+  start, model load, ...; the ``startup`` section) as a grey band; reports
+  without a ``generation`` section fall back to the commit-time ``timeline``;
 * ``_report.html``: one file with no external resources (the PNG is embedded
   as a base64 data URI) and tables of the headline numbers, cost, pools and
   router statistics. Each value from the report sits in an element with a
@@ -115,6 +119,57 @@ def _throughput(timeline: Sequence[Mapping[str, Any]]) -> tuple[list[float], lis
     return xs, ys
 
 
+def generation_rates(gen: Mapping[str, Any]) -> tuple[list[float], list[float], list[float]]:
+    """(bin start times, prefill tokens/s, decode tokens/s) of a report's ``generation``
+    section; empty lists when it is missing or malformed."""
+    if not isinstance(gen, Mapping) or not _is_number(gen.get("bin_s")) or gen["bin_s"] <= 0:
+        return [], [], []
+    pre = [float(v) if _is_number(v) else 0.0 for v in gen.get("prefill_tokens") or ()]
+    dec = [float(v) if _is_number(v) else 0.0 for v in gen.get("decode_tokens") or ()]
+    n = max(len(pre), len(dec))
+    pre += [0.0] * (n - len(pre))
+    dec += [0.0] * (n - len(dec))
+    b = float(gen["bin_s"])
+    return [i * b for i in range(n)], [v / b for v in pre], [v / b for v in dec]
+
+
+def _startup_span(report: Mapping[str, Any]) -> tuple[float, float] | None:
+    """(start, first token) in seconds from the run's start: the band before any token."""
+    st = report.get("startup")
+    if not isinstance(st, Mapping) or not _is_number(st.get("first_token_s")):
+        return None
+    starts = [iv[0] for iv in (st.get("intervals_s") or {}).values()
+              if isinstance(iv, (list, tuple)) and iv and _is_number(iv[0])]
+    return min(starts + [0.0]), float(st["first_token_s"])
+
+
+def _throughput_panel(ax, report: Mapping[str, Any]) -> None:
+    ax.set_title("throughput (by generation time)")
+    xs, pre, dec = generation_rates(report.get("generation"))
+    span = _startup_span(report)
+    if span is not None:
+        ax.axvspan(span[0], span[1], color="0.85", zorder=0,
+                   label=f"start-up {span[1] - span[0]:.1f} s (Ray, model load, first batch)")
+    if xs and (any(pre) or any(dec)):
+        b = float(report["generation"]["bin_s"])
+        ax.bar(xs, pre, width=b, align="edge", color="tab:orange", label="prefill tokens/s")
+        ax.bar(xs, dec, width=b, align="edge", bottom=pre, color="tab:blue", label="decode tokens/s")
+        ax.set_ylim(bottom=0)
+    else:
+        ax.set_title("throughput (by commit time)")
+        txs, tys = _throughput(report.get("timeline") or [])
+        if txs:
+            ax.step(txs, tys, where="pre", color="tab:blue")
+            ax.fill_between(txs, tys, step="pre", alpha=0.25, color="tab:blue")
+            ax.set_ylim(bottom=0)
+        elif span is None:
+            ax.text(0.5, 0.5, "no timeline", ha="center", va="center", transform=ax.transAxes)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize="small")
+    ax.set_xlabel("time since the run started (s)")
+    ax.set_ylabel("tokens / s")
+
+
 def _hist_panel(ax, data: Any, title: str, color: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
@@ -144,17 +199,7 @@ def _figure_png(report: Mapping[str, Any]) -> bytes:
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 2)
 
-    ax = axes[0][0]
-    ax.set_title("throughput")
-    xs, ys = _throughput(report.get("timeline") or [])
-    if xs:
-        ax.step(xs, ys, where="pre", color="tab:blue")
-        ax.fill_between(xs, ys, step="pre", alpha=0.25, color="tab:blue")
-        ax.set_ylim(bottom=0)
-    else:
-        ax.text(0.5, 0.5, "no timeline", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("tokens / s")
+    _throughput_panel(axes[0][0], report)
 
     ax = axes[0][1]
     ax.set_title("pool utilisation")
@@ -248,6 +293,15 @@ def _html_page(report: Mapping[str, Any], png: bytes) -> str:
                     cells.append("<td>&mdash;</td>")
             body.append(f"<tr><th>{html.escape(str(name))}</th>{''.join(cells)}</tr>")
         parts.append("<table><caption>pools</caption>" + head + "".join(body) + "</table>")
+
+    startup = report.get("startup")
+    if isinstance(startup, Mapping) and isinstance(startup.get("phases_s"), Mapping):
+        rows = [_row(str(k), f"startup.phases_s.{k}", v) for k, v in startup["phases_s"].items() if _is_number(v)]
+        for key in ("first_token_s", "to_first_token_s"):
+            if _is_number(startup.get(key)):
+                rows.append(_row(key, f"startup.{key}", startup[key]))
+        if rows:
+            parts.append("<table><caption>start-up and phases (s)</caption>" + "".join(rows) + "</table>")
 
     router = report.get("router")
     if isinstance(router, Mapping) and router:

@@ -43,12 +43,14 @@ class BatchPrefetcher:
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._ds = ds
+        self.first_batch_at: float | None = None  # wall time the first batch came out (start-up breakdown)
         self._thread = threading.Thread(target=self._run, name="dlbatch-prefetch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
             for batch in self._ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                self.first_batch_at = self.first_batch_at or time.time()
                 while not self._stop.is_set():
                     try:
                         self._q.put(batch, timeout=0.5)
@@ -94,6 +96,8 @@ class _InputFeed:
         self.prepare = prepare  # an input row -> the request row the dispatcher takes
         self.exhausted = False
         self.idle_since: float | None = None
+        self.docs_seen = self.tokens_seen = 0  # documents tokenized this run and their tokens: the ETA of the others
+        self._last_doc = None
 
     def pull(self, d, room, idle: bool) -> None:
         """Add rows while `room()`; wait a little for input only when nothing else can progress."""
@@ -109,7 +113,10 @@ class _InputFeed:
                 return
             self.idle_since, idle = None, False
             for r in batch.to_pylist():
-                d.add_row(self.prepare(r))
+                if d.add_row(self.prepare(r)) and r.get("prompt_ids"):
+                    self.docs_seen += r["doc_id"] != self._last_doc  # a document's rows come together
+                    self._last_doc = r["doc_id"]
+                    self.tokens_seen += len(r["prompt_ids"]) + int(r["max_tokens"])
 
     def idle_for(self, now: float) -> float:
         return 0.0 if self.idle_since is None else now - self.idle_since
@@ -120,7 +127,7 @@ class _Tally:
     """What this run committed, for the report, the metrics and the progress line."""
 
     metrics: object
-    bar: object = None
+    progress: object  # dlbatch.progress.Progress: the bar on a terminal, else a log line every 30 s
     new_ok: int = 0
     new_failed: int = 0
     rows_written: int = 0
@@ -141,17 +148,13 @@ class _Tally:
         self.metrics.docs(ok=1)
         self.metrics.tokens(prompt=sum(p), output=sum(o))
 
-    def show(self, runner, t_start: float, inflight: int) -> None:
+    def show(self, runner, d, feed, inflight: int) -> None:
         self.metrics.inflight(inflight)
-        tokens = self.prompt_tokens + self.output_tokens
-        if self.bar is not None:
-            self.bar.n = runner.already_done + runner.already_failed + self.new_ok + self.new_failed
-            self.bar.set_postfix_str(runner._rate(t_start, tokens), refresh=False)
-            self.bar.refresh()
-        elif time.time() - self.last_log > 10:
-            self.last_log = time.time()
-            log.info("progress: %d documents done, %d failed, %d tokens, %s", self.new_ok, self.new_failed, tokens,
-                     runner._rate(t_start, tokens))
+        finished = self.new_ok + self.new_failed
+        self.progress.update(docs_done=runner.already_done + runner.already_failed + finished,
+                             tokens=self.prompt_tokens + self.output_tokens,
+                             remaining_tokens=runner._remaining_tokens(d.docs, finished, feed.docs_seen,
+                                                                       feed.tokens_seen))
 
 
 def inputs_signature(files: list[str], storage_options: dict | None = None, limit: int | None = None) -> str:
@@ -199,6 +202,9 @@ class JobRunner:
         self.worker_pids: dict = {}  # (role, idx) -> pid of the worker's process, from its pings
         self.inflight = 0  # batches in flight now (tests: kill a worker mid-batch)
         self.io_retries_start = 0
+        self.prefetch = None  # the running BatchPrefetcher (its first batch time goes to the report)
+        self.startup = None  # StartupClock of the run: where the time before the first token went
+        self.gen = None  # GenerationTimeline: tokens by the time workers generated them
 
     # ------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -208,8 +214,12 @@ class JobRunner:
 
         from connectors.io_retry import retry_count
 
+        from dlbatch.gentimeline import GenerationTimeline, StartupClock
+
         spec = self.spec
         t_start = time.time()
+        self.startup, self.gen = StartupClock(t_start), GenerationTimeline(t_start)
+        self._note_process_start(t_start)
         self.io_retries_start = retry_count()
         store = OutputStore(spec.output.path, dict(spec.output.storage_options))
         if self.fresh:
@@ -218,7 +228,9 @@ class JobRunner:
         manifest = store.read_json("_manifest.json")
         if manifest is not None:
             check_resume_compatible(manifest.get("fields", {}), spec, output=spec.output.path)
+        self.startup.start("list_inputs")
         files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
+        self.startup.end("list_inputs")
         if spec.input.limit is not None and spec.input.format in ("pdf", "text"):
             files = files[:spec.input.limit]
         sig = inputs_signature(files, dict(spec.input.storage_options), spec.input.limit)
@@ -322,6 +334,7 @@ class JobRunner:
                 raise JobFailed(f"{role} worker {i} failed to start (loading {self.spec.model.name!r}): "
                                 f"{type(e).__name__}: {brief(e, 500)}") from e
         self.worker_pids = {k: info.get("pid") for k, info in zip(keys, infos)}
+        self._note_worker_startup(infos)
 
     def _check_shm_same_node(self, workers: dict) -> None:
         """kv_transport=shm moves KV through this node's /dev/shm: every prefill and decode
@@ -399,8 +412,12 @@ class JobRunner:
                 except Exception as e:
                     raise JobFailed(f"cluster.kv_transport={via!r} cannot run here: {e}") from None
         self.kv_via = via
+        self.startup.start("model_cache")
         model_dir(spec.model.name)  # convert a GGUF once, before workers race for it
+        self.startup.end("model_cache")
+        self.startup.start("ray_start")
         started = start_ray(spec.cluster.address, dict(chips))
+        self.startup.end("ray_start")
         workers: dict[str, list] = {}
         prefetch = None
         self.workers = workers
@@ -410,6 +427,7 @@ class JobRunner:
             if ask_workers:
                 self._decide_auto_transport(pools)
             use_rdt = "prefill" in pools and self.kv_via == "rdt"
+            self.startup.start("workers_ready")
             for role, pool in pools.items():
                 cls = make_worker_class(role, tensor_transport=use_rdt)
                 threads = max(1, int(round(pool.num_cpus))) if pool.device == "cpu" else 1
@@ -427,8 +445,12 @@ class JobRunner:
             from pipelines import get_pipeline
 
             # documents are parsed and tokenized while the workers load the model
+            t_data = time.time()
             prefetch = BatchPrefetcher(get_pipeline(spec.pipeline).build(spec, files, skip_docs))
+            self.prefetch = prefetch
+            self.startup.span("data_plan", t_data, time.time())
             self._wait_workers_up(workers)
+            self.startup.end("workers_ready")
             self._check_shm_same_node(workers)
             if use_rdt:  # one collective group over every prefill and decode worker
                 from dlbatch.transfer import rdt
@@ -534,7 +556,7 @@ class JobRunner:
         pools = RayWorkers(self, workers, d, self._items_for)
         feed = _InputFeed(batches, prepare=MapReduce.request_row)
         buf = CommitBuffer(self.flush_docs, self.flush_seconds)
-        tally = _Tally(metrics=JobMetrics(self.spec.name), bar=self._progress_bar())
+        tally = _Tally(metrics=JobMetrics(self.spec.name), progress=self._progress())
         try:
             while True:
                 self._watchdog(d, pools, feed)
@@ -552,10 +574,13 @@ class JobRunner:
                 if not pools.refs:
                     time.sleep(0.05)  # input, a worker coming back, a held-back worker, a regroup
                 for b, outcome in pools.wait(0.5):
+                    if not isinstance(outcome, BaseException):  # the report's timeline: when tokens were made
+                        for res in outcome:
+                            self.gen.add(res, time.time())
                     pools.handle(b, outcome)
                 self._collect(d, buf, tally)
                 self._commit(store, buf, tally, t_start)
-                tally.show(self, t_start, len(pools.refs))
+                tally.show(self, d, feed, len(pools.refs))
         except BaseException:
             # commit every document that is complete before giving up; never a partial one
             try:
@@ -570,8 +595,7 @@ class JobRunner:
                                                          "attempts_charged")}
         self._collect(d, buf, tally)
         self._commit(store, buf, tally, t_start, force=True)
-        if tally.bar is not None:
-            tally.bar.close()
+        tally.progress.close()
         stats = {}
         try:
             stats = {role: ray.get([w.stats.remote() for w in ws], timeout=60) for role, ws in workers.items()}
@@ -663,18 +687,25 @@ class JobRunner:
                 f"Committed output is intact: rerun to resume (raise --input-timeout for a slow source)")
 
     # ------------------------------------------------------------------------------------
-    def _progress_bar(self):
-        if not self.progress:
+    def _progress(self):
+        from dlbatch.progress import Progress
+
+        return Progress(self.spec.name, total_docs=self.docs_total_hint,
+                        initial_docs=self.already_done + self.already_failed, tty=self.progress)
+
+    def _remaining_tokens(self, docs: dict, finished: int, docs_seen: int, tokens_seen: int) -> int | None:
+        """Tokens left: open requests exactly, documents not tokenized yet at the mean so far."""
+        from dlbatch.progress import remaining_tokens
+
+        open_docs = list(docs.values())
+        open_rows = [(len(r["prompt_ids"]), int(r["max_tokens"])) for d in open_docs for t, r in d.rows.items()
+                     if t not in d.results and r.get("prompt_ids") is not None]
+        if not docs_seen:
             return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.docs_total_hint, initial=self.already_done + self.already_failed, unit="doc",
-                    desc=self.spec.name, file=sys.stderr)
-
-    @staticmethod
-    def _rate(t_start: float, tokens: int) -> str:
-        dt = max(1e-9, time.time() - t_start)
-        return f"{tokens / dt:.0f} tok/s"
+        if self.docs_total_hint is None:  # a table input: only what is tokenized is known
+            return sum(p + m for p, m in open_rows)
+        unseen = self.docs_total_hint - self.already_done - self.already_failed - finished - len(open_docs)
+        return remaining_tokens(open_rows, unseen, tokens_seen / docs_seen)
 
     def _compact_output(self, store) -> dict:
         """At job end: merge the small committed parts when more than compact_min_parts
@@ -694,7 +725,8 @@ class JobRunner:
         from connectors.io_retry import retry_count
 
         compaction = self._compact_output(store)
-        wall = time.time() - t_start
+        t_finish = time.time()
+        wall = t_finish - t_start
         pools = {}
         prefill_computed = 0
         cached = 0
@@ -725,15 +757,61 @@ class JobRunner:
             "timeline": self.timeline, "prompt_token_hist": list(prompt_hist), "output_token_hist": list(output_hist),
             "compaction": compaction,
         }
+        report.update(self._startup_report())
         if self.plan and self.plan.get("usd_per_hour"):
             usd_h = float(self.plan["usd_per_hour"])
             report["cost"] = {"usd_per_hour": usd_h, "usd_total": round(usd_h * wall / 3600, 6),
                               "usd_per_million_tokens": round(usd_h * wall / 3600 / max(tokens, 1) * 1e6, 6)}
         store.write_json("_report.json", report)
+        t_render = time.time()
         try:
             from dlbatch.report_html import render_report
 
             render_report(report, store.url, store.storage_options)
         except Exception as e:  # pragma: no cover - a report figure must not fail the job
             log.warning("could not render the HTML report: %s", e)
+        if self.startup is not None:
+            log.info("start-up: %s; report written in %.1f s (job stats %.1f s)", self._startup_line(report),
+                     time.time() - t_render, t_render - t_finish)
         return report
+
+    # ------------------------------------------------------------------------------------
+    def _note_process_start(self, t_start: float) -> None:
+        """The driver process's own start-up (interpreter, imports, job file) before run()."""
+        try:
+            import psutil
+
+            self.startup.span("driver_process", psutil.Process().create_time(), t_start)
+        except Exception:  # psutil missing or /proc unreadable: the breakdown does without
+            pass
+
+    def _note_worker_startup(self, infos: list[dict]) -> None:
+        """Worker processes' start (Ray starts a Python process, imports) and model load."""
+        procs = [i["t_process"] for i in infos if i.get("t_process")]
+        inits = [i["t_init"] for i in infos if i.get("t_init")]
+        readies = [i["t_ready"] for i in infos if i.get("t_ready")]
+        if procs and inits:
+            self.startup.span("worker_process", min(procs), max(inits))
+        if inits and readies:
+            self.startup.span("model_load", min(inits), max(readies))
+
+    def _startup_report(self) -> dict:
+        """`startup` (intervals before the first token) and `generation` (tokens by the time
+        workers generated them) sections of the report."""
+        if self.startup is None or self.gen is None:
+            return {}
+        pf = getattr(self, "prefetch", None)
+        if pf is not None and pf.first_batch_at is not None and "data_plan" in self.startup.intervals:
+            self.startup.span("data_first_batch", self.startup.t0 + self.startup.intervals["data_plan"][0],
+                              pf.first_batch_at)
+        if self.gen.first_token is not None:
+            self.startup.span("generation", self.gen.first_token, self.gen.last_done)
+        return {"startup": self.startup.to_dict(self.gen.first_token), "generation": self.gen.to_dict()}
+
+    @staticmethod
+    def _startup_line(report: dict) -> str:
+        st = report.get("startup") or {}
+        parts = [f"{k} {v:.1f} s" for k, v in (st.get("phases_s") or {}).items()]
+        if st.get("to_first_token_s") is not None:
+            parts.append(f"first token {st['to_first_token_s']:.1f} s after the process started")
+        return ", ".join(parts) or "no timings"

@@ -250,6 +250,11 @@ class EngineLoop:
             self._transports[name] = get_transport(name, same_node=True, device=self.device)
         return self._transports[name]
 
+    @staticmethod
+    def _wall(perf: float | None) -> float | None:
+        """A perf_counter stamp of this process as wall-clock time (time.time)."""
+        return None if perf is None else perf + (time.time() - time.perf_counter())
+
     def _result(self, seq) -> dict:
         if self.role == "prefill":
             via, kv = self.kv_via, None
@@ -265,12 +270,13 @@ class EngineLoop:
             return {"kv_via": via, "request_id": seq.seq_id, "token_ids": list(seq.prompt_ids), "first_token": seq.output_ids[0],
                     "finish_reason": seq.pd_finish, "generator_state": seq.generator_state, "kv": kv,
                     "ttft_s": (seq.first_token_time - seq.arrival) if seq.first_token_time else None,
-                    "cached_tokens": seq.num_cached}
+                    "t_first_token": self._wall(seq.first_token_time), "cached_tokens": seq.num_cached}
         out = self.engine.to_output(seq)
         return {"request_id": out.request_id, "output": out.text, "output_ids": out.token_ids,
                 "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
                 "output_tokens": len(out.token_ids), "cached_tokens": out.cached_tokens,
-                "ttft_s": out.metrics.get("ttft_s"), "latency_s": out.metrics.get("latency_s")}
+                "ttft_s": out.metrics.get("ttft_s"), "latency_s": out.metrics.get("latency_s"),
+                "t_first_token": self._wall(seq.first_token_time), "t_done": time.time()}
 
     # ---- RDT: the tensors stay here until the decode worker pulls them ----------------------
     def _keep_for_rdt(self, request_id: str, layers) -> None:
@@ -322,7 +328,9 @@ class _WorkerBase:
     ROLE = "colocated"
 
     def __init__(self, spec: WorkerSpec, fail_on: str | None = None):
+        self.t_init = time.time()
         self.loop = EngineLoop(spec, self.ROLE)
+        self.t_ready = time.time()
         self.fail_on = fail_on  # tests: a request id whose processing kills this process
 
     def _maybe_die(self, items):
@@ -333,7 +341,8 @@ class _WorkerBase:
         import ray
 
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-        return {"pid": os.getpid(), "role": self.ROLE, "fingerprint": self.loop.llm.fingerprint, "node_id": node}
+        return {"pid": os.getpid(), "role": self.ROLE, "fingerprint": self.loop.llm.fingerprint, "node_id": node,
+                "t_process": _process_start(), "t_init": self.t_init, "t_ready": self.t_ready}
 
     def shm_cleanup(self, close: bool = False) -> list[str]:
         """kv_transport=shm: sweep this node's segments of dead processes; ``close``: also
@@ -415,7 +424,8 @@ class DecodeWorkerImpl(_WorkerBase):
                 out[p["request_id"]] = {"request_id": p["request_id"], "output": text, "output_ids": [p["first_token"]],
                                         "finish_reason": p["finish_reason"], "prompt_tokens": len(p["token_ids"]),
                                         "output_tokens": 1, "cached_tokens": p.get("cached_tokens", 0),
-                                        "ttft_s": p.get("ttft_s"), "latency_s": p.get("ttft_s")}
+                                        "ttft_s": p.get("ttft_s"), "latency_s": p.get("ttft_s"),
+                                        "t_first_token": p.get("t_first_token"), "t_done": p.get("t_first_token")}
                 continue
             if p.get("kv_layers") is not None:  # RDT: already received and checked
                 work.append({**base, **p})
@@ -428,9 +438,20 @@ class DecodeWorkerImpl(_WorkerBase):
             src = next((p for p in prefilled if p["request_id"] == r["request_id"]), {})
             if "error" not in r:
                 r["ttft_s"] = src.get("ttft_s")
+                r["t_first_token"] = src.get("t_first_token")  # the prefill worker's clock
                 r["cached_tokens"] = src.get("cached_tokens", 0)
             out[r["request_id"]] = r
         return [out[it["request_id"]] for it in items if it["request_id"] in out]
+
+
+def _process_start() -> float | None:
+    """Wall-clock start of this process (the worker's own start-up: Python, imports)."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # psutil missing or /proc unreadable: the start-up breakdown does without
+        return None
 
 
 def make_worker_class(role: str, tensor_transport: bool = False):

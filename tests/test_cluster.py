@@ -64,8 +64,10 @@ def _env(**extra) -> dict:
 class LocalCluster:
     """`ray start --head --block` in its own session; stop() kills exactly what it started."""
 
-    def __init__(self, resources: dict, num_cpus: int = 8):
+    def __init__(self, resources: dict, num_cpus: int = 8, ray_bin: str | None = None, env: dict | None = None):
         self.resources, self.num_cpus = resources, num_cpus
+        self.ray_bin = ray_bin or str(VENV_BIN / "ray")  # another python's `ray` (tests/test_submit_preflight.py)
+        self.env = env  # the cluster's environment (default: _env())
         self.proc = None
         self.pids: dict[int, float] = {}
 
@@ -73,7 +75,7 @@ class LocalCluster:
         self.temp_dir = tempfile.mkdtemp(prefix="dlbray-")  # short: Ray's unix sockets live under it
         (self.gcs_port, self.dash_port, client_port, agent_http, agent_grpc, rt_env, metrics, node_mgr,
          obj_mgr) = _free_ports(9)
-        self.cmd = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+        self.cmd = [self.ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                     "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--port={self.gcs_port}",
                     f"--dashboard-port={self.dash_port}", f"--ray-client-server-port={client_port}",
                     f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
@@ -107,7 +109,7 @@ class LocalCluster:
         raise RuntimeError("could not start the test cluster:\n" + "\n---\n".join(errors))
 
     def _start_once(self, timeout: float) -> None:
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=_env(),
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env or _env(),
                                      start_new_session=True, cwd=self.temp_dir)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -39,6 +39,12 @@ def test_sample_job_pd_then_noop_and_status(ray_local, sample_model, tmp_path):
     assert rep["prefill_tokens_computed"] <= (1 / 3 + 0.1) * rep["prompt_tokens"]
     assert set(rep["pools"]) == {"prefill", "decode"}
     assert os.path.exists(os.path.join(out, "_report.html"))
+    # the report says when tokens were generated and where the time before the first one went
+    gen, st = rep["generation"], rep["startup"]
+    assert gen["requests"] == 6 and gen["driver_clock_requests"] == 0  # one machine: the workers' clocks hold
+    assert sum(gen["decode_tokens"]) == pytest.approx(rep["output_tokens"], abs=0.1)
+    assert 0 < st["first_token_s"] <= gen["last_done_s"] <= rep["wall_s"]
+    assert {"ray_start", "workers_ready", "model_load", "data_first_batch", "generation"} <= set(st["phases_s"])
     again = _run("jobs/papers.yaml", out, ["input.limit=2"])
     assert again.get("noop") and len(_rows(out)) == 6
     from dlbatch.cli_jobs import job_status

@@ -36,6 +36,13 @@ def full_report():
         "cost": {"usd_per_hour": 4.1, "usd_total": 0.019645833333333335, "usd_per_million_tokens": 0.31},
         "router": {"policy": "prefix_aware", "prefix_hit_rate": 0.66, "groups": 12},
         "retries": 2,
+        "startup": {"intervals_s": {"driver_process": [-1.25, 0.0], "ray_start": [0.5, 5.0],
+                                    "model_load": [6.0, 11.5], "generation": [12.0, 17.0]},
+                    "phases_s": {"driver_process": 1.25, "ray_start": 4.5, "model_load": 5.5, "generation": 5.0},
+                    "first_token_s": 12.0, "to_first_token_s": 13.25},
+        "generation": {"bin_s": 1.0, "prefill_tokens": [0.0] * 12 + [3000.0, 0, 1500.0, 0, 0],
+                       "decode_tokens": [0.0] * 12 + [100.0, 120.0, 130.0, 90.0, 40.0], "first_token_s": 12.0,
+                       "last_done_s": 17.0, "requests": 9, "driver_clock_requests": 0},
     }
 
 
@@ -123,6 +130,8 @@ def test_html_values_match_the_report(rendered):
     expected = [k for k, _ in HEADLINE_KEYS] + [f"cost.{k}" for k, _ in COST_KEYS]
     expected += [f"pools.{p}.{f}" for p in ("prefill", "decode") for f in ("busy_fraction", "replicas", "chip")]
     expected += ["router.policy", "router.prefix_hit_rate", "router.groups", "plan"]
+    expected += [f"startup.phases_s.{k}" for k in ("driver_process", "ray_start", "model_load", "generation")]
+    expected += ["startup.first_token_s", "startup.to_first_token_s"]
     assert sorted(parsed.values) == sorted(expected)
     for key, text in parsed.values.items():
         assert same(text, lookup(report, key)), (key, text)
@@ -211,3 +220,20 @@ def test_fsspec_url_output():
 def test_rejects_non_mapping(tmp_path):
     with pytest.raises(TypeError, match="report must be a mapping"):
         render_report([1, 2], tmp_path)
+
+
+def test_throughput_is_binned_by_generation_time_with_a_startup_band():
+    from dlbatch.report_html import _startup_span, generation_rates
+
+    report = full_report()
+    xs, pre, dec = generation_rates(report["generation"])
+    assert xs[12] == 12.0 and pre[12] == 3000.0 and dec[13] == 120.0 and len(xs) == 17
+    assert _startup_span(report) == (-1.25, 12.0)  # from the driver process's start to the first token
+    assert generation_rates({"bin_s": 0}) == ([], [], [])
+
+
+def test_old_reports_without_generation_still_render(tmp_path):
+    report = full_report()
+    del report["generation"], report["startup"]
+    html_path, png_path = render_report(report, tmp_path)
+    assert open(png_path, "rb").read(8) == PNG_MAGIC

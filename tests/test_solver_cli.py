@@ -163,3 +163,19 @@ def test_model_fits_no_chip_exits_2_with_numbers(tmp_path, capsys):
 def test_bad_available_syntax_exits_2(tmp_path, capsys):
     rc, _ = _plan(tmp_path, "--available", "l4:3")
     assert rc == 2 and "CHIP=COUNT" in capsys.readouterr().err
+
+
+def test_plan_without_available_uses_the_local_profiled_chips(tmp_path, capsys):
+    """A local run (cluster.address null) plans for this machine's measured profiles
+    (configs/chips/cpu-local.yaml); a cluster job still needs --available."""
+    out = str(tmp_path / "plan.json")
+    local = os.path.join(ROOT, "configs", "chips", "cpu-local.yaml")
+    rc = main(["plan", JOB, "--chips", CATALOG, local, "--no-report", "--json", out])
+    text = capsys.readouterr().out
+    assert rc == 0 and "cpu-local=1" in text
+    plan = json.load(open(out))
+    assert plan["pools"] and {p["chip_resource"] for p in plan["pools"]} == {"cpu-local"}
+    assert sum(p["replicas"] for p in plan["pools"]) == 1  # one machine: one chip, one pool
+    rc = main(["plan", JOB, "--chips", CATALOG, local, "--no-report", "--set", "cluster.address=auto"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--available" in err and "cluster" in err

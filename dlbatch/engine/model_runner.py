@@ -25,6 +25,20 @@ class AttnMeta:
     on_layer: object = None  # called with the layer index right after it stored its KV
 
 
+def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU the memory comes from calloc (numpy.zeros), whose pages the
+    OS maps zeroed on first touch: a multi-GiB KV cache costs nothing until it is used,
+    where torch.zeros writes every page up front (seconds per worker at start-up)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import math
+
+    import numpy as np
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, mconf: ModelConfig, econf: EngineConfig, num_blocks: int):
         self.model = model
@@ -41,7 +55,7 @@ class ModelRunner:
 
             self.use_native = native.lib() is not None
         self.masker = None  # engine/constraint.py ConstraintMasker, set by the engine
-        self.kv_cache = torch.zeros(
+        self.kv_cache = _zeros(
             (2, mconf.num_layers, num_blocks, econf.block_size, mconf.num_kv_heads, mconf.head_dim),
             dtype=model.dtype, device=model.device)
 

@@ -34,7 +34,9 @@ def register(sub) -> None:
     p.add_argument("job", help="job YAML file")
     _common(p)
     p.add_argument("--available", nargs="+", action="extend", default=[], metavar="CHIP=COUNT",
-                   help="chips that may be used, e.g. h100_sxm=16 l40s=32 (a chip name of the chip files)")
+                   help="chips that may be used, e.g. h100_sxm=16 l40s=32 (a chip name of the chip files); "
+                        "default for a local run (cluster.address null): this machine's chips that have a "
+                        "measured profile, e.g. cpu-local=1")
     p.add_argument("--objective", default="throughput", choices=["throughput", "cost", "deadline"])
     p.add_argument("--budget", type=float, default=None, metavar="USD_PER_HOUR", help="hourly budget cap")
     p.add_argument("--deadline", type=float, default=None, metavar="HOURS",
@@ -126,6 +128,31 @@ def default_chip_files(model_name: str) -> list[str]:
     return files
 
 
+def local_available(chip_files: list[str]) -> dict[str, int]:
+    """This machine's chips that have a measured profile among `chip_files`: a profile
+    measured on the CPU counts as one chip (it was measured with every core), one measured
+    on CUDA as the number of CUDA devices here."""
+    import yaml
+
+    out: dict[str, int] = {}
+    for f in chip_files:
+        try:
+            data = yaml.safe_load(open(f))
+        except Exception:
+            continue
+        if not isinstance(data, dict) or data.get("source") != "measured" or not data.get("name"):
+            continue
+        device = str((data.get("measured") or {}).get("device", ""))
+        if device == "cpu":
+            out[data["name"]] = 1
+        elif device.startswith("cuda"):
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.device_count():
+                out[data["name"]] = torch.cuda.device_count()
+    return out
+
+
 def _load_spec(args):
     from dlbatch.jobspec import load_job
 
@@ -162,8 +189,15 @@ def cmd_plan(args) -> int:
     spec, sample, chip_files, max_batch, chunk = _job_context(args)
     available = parse_available(args.available)
     chips = load_chips(chip_files, sample.model)
+    if not available and spec.cluster.address is None:
+        available = {k: n for k, n in local_available(chip_files).items() if k in chips}
+        if available:
+            print(f"no --available: planning for this machine's profiled chips "
+                  f"{' '.join(f'{k}={n}' for k, n in available.items())} (cluster.address is null: a local run)")
     if not available:
-        raise ValueError(f"no --available given: say which chips may be used and how many, e.g. "
+        where = ("the job runs on a cluster (cluster.address is set)" if spec.cluster.address is not None
+                 else "no chip file holds a profile measured on this machine (`dlbatch profile` makes one)")
+        raise ValueError(f"no --available given and {where}: say which chips may be used and how many, e.g. "
                          f"--available {sorted(chips)[0]}=2 (chips in the chip files: {sorted(chips)})")
     if sum(available.values()) == 0:
         raise ValueError(f"zero availability: every chip count is 0 ({available}); nothing can run the job")

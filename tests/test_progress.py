@@ -1,0 +1,87 @@
+"""Progress: moving-window rates, ETA from the tokens left, a log line every 30 s off a TTY."""
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from dlbatch.progress import Progress, format_eta, remaining_tokens
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_rates_use_a_moving_window_not_the_whole_run():
+    clock = Clock()
+    p = Progress("job", total_docs=100, tty=False, window_s=30, clock=clock, stream=io.StringIO())
+    p.update(docs_done=0, tokens=0, remaining_tokens=None)
+    clock.t += 120  # a long start-up with nothing done
+    p.update(docs_done=0, tokens=0, remaining_tokens=50_000)
+    for _ in range(30):  # then 2 docs/s and 500 tokens/s for 30 s
+        clock.t += 1
+        p.update(docs_done=p.docs_done + 2, tokens=p.tokens + 500, remaining_tokens=50_000 - p.tokens - 500)
+    docs_s, tok_s = p.rates()
+    assert docs_s == pytest.approx(2.0)
+    assert tok_s == pytest.approx(500.0)
+    # the ETA is the tokens left at the window's token rate
+    assert p.eta_s() == pytest.approx((50_000 - 15_000) / 500.0)
+
+
+def test_rate_falls_to_zero_when_work_stops_and_there_is_no_eta():
+    clock = Clock()
+    p = Progress("job", tty=False, window_s=10, clock=clock, stream=io.StringIO())
+    for i in range(5):
+        clock.t += 1
+        p.update(docs_done=i, tokens=100 * i, remaining_tokens=1000)
+    assert p.rates()[1] > 0
+    for _ in range(20):  # a stall longer than the window
+        clock.t += 1
+        p.update(docs_done=4, tokens=400, remaining_tokens=1000)
+    assert p.rates() == (0.0, 0.0)
+    assert p.eta_s() is None and "ETA ?" in p.summary()
+
+
+def test_eta_appears_in_non_tty_log_lines_every_30_s(caplog):
+    clock = Clock()
+    p = Progress("papers", total_docs=10, tty=False, clock=clock, stream=io.StringIO())
+    with caplog.at_level(logging.INFO, logger="dlbatch.run"):
+        for i in range(1, 61):  # one update a second for a minute, 100 tokens/s, 6000 left at the end
+            clock.t += 1
+            p.update(docs_done=i // 10, tokens=100 * i, remaining_tokens=12_000 - 100 * i)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress:")]
+    assert len(lines) == 2, lines  # at 30 s and at 60 s, not on every update
+    assert "100 tok/s" in lines[-1] and "6/10 documents" in lines[-1]
+    assert "ETA 1:00" in lines[-1], lines[-1]  # 6000 tokens left at 100 tokens/s
+    assert p.lines_logged == 2
+
+
+def test_tty_uses_a_bar_and_logs_nothing(caplog):
+    clock = Clock()
+    out = io.StringIO()
+    p = Progress("papers", total_docs=4, tty=True, clock=clock, stream=out)
+    with caplog.at_level(logging.INFO, logger="dlbatch.run"):
+        for i in range(1, 5):
+            clock.t += 40
+            p.update(docs_done=i, tokens=1000 * i, remaining_tokens=1000 * (4 - i) + 10)
+    p.close()
+    assert not [r for r in caplog.records if r.getMessage().startswith("progress:")]
+    text = out.getvalue()
+    assert "4/4" in text and "tok/s" in text and "ETA" in text
+
+
+def test_remaining_tokens_counts_open_requests_and_extrapolates_unseen_documents():
+    # two open requests exactly, plus 3 documents not tokenized yet at 1000 tokens each
+    assert remaining_tokens([(700, 128), (700, 32)], unseen_docs=3, tokens_per_doc=1000.0) == 700 + 128 + 700 + 32 + 3000
+    assert remaining_tokens([], unseen_docs=0, tokens_per_doc=1000.0) == 0
+
+
+def test_format_eta():
+    assert format_eta(None) == "?"
+    assert format_eta(59.6) == "1:00"
+    assert format_eta(3725) == "1:02:05"
