@@ -18,8 +18,11 @@ redoes its chunks; a partial reduce is never written. Plain object: no Ray, no e
 from __future__ import annotations
 
 import json
+import logging
 
 from dlbatch.stages import derive_seed
+
+log = logging.getLogger("dlbatch.run")
 
 SEP = "#"
 
@@ -39,6 +42,7 @@ class MapReduce:
         self.plans: dict = {}  # doc id -> ChunkPlan, while the document is open
         self.fed: dict[str, set] = {}  # doc id -> request names already given to its plan
         self.index = {t.name: k for k, t in enumerate(spec.tasks)}
+        self.chunk_tokens: list[int] = []  # token length of every chunk of the documents completed
 
     @staticmethod
     def request_row(row: dict) -> dict:
@@ -76,6 +80,9 @@ class MapReduce:
             res = doc.results.get(name) or {}
             new += plan.on_done(name.split(SEP, 1)[1], res.get("output", ""))
         first = next(r for r in doc.rows.values() if is_chunk_row(r))
+        if new:
+            log.info("document %s: %d reduce requests (level %s) after its %d chunks", doc.doc_id, len(new),
+                     "/".join(sorted({str(r.level) for r in new})), plan.num_chunks)
         return [{**first, "task": f"{r.task}{SEP}{r.key}", "task_index": r.task_index, "prompt_ids": r.prompt_ids,
                  "max_tokens": r.max_tokens, "chunk_index": None,
                  "seed": derive_seed(self.spec.sampling.seed, doc.doc_id, f"{r.task}/{r.key}")} for r in new]
@@ -89,6 +96,7 @@ class MapReduce:
         self.fed.pop(doc.doc_id, None)
         if plan is None:
             return rows
+        self.chunk_tokens += plan.summary()["chunk_tokens"]
         for name, _, _ in plan.tasks:
             reqs = [(t, r) for t, r in doc.rows.items() if base_task(t) == name and SEP in t]
             results = [doc.results[t] for t, _ in reqs]

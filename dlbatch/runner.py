@@ -135,6 +135,8 @@ class _Tally:
     output_tokens: int = 0
     prompt_hist: list = field(default_factory=list)
     output_hist: list = field(default_factory=list)
+    # documents by the long-input policy applied to them ("fit": none was needed; "skip": dead-lettered)
+    policies: collections.Counter = field(default_factory=collections.Counter)
     last_log: float = field(default_factory=time.time)
 
     def doc_ok(self, rows: list[dict]) -> None:
@@ -145,6 +147,8 @@ class _Tally:
         self.prompt_hist += p
         self.output_hist += o
         self.new_ok += 1
+        for policy in sorted({r.get("long_input_policy") for r in rows} - {None}) or ["fit"]:
+            self.policies[policy] += 1
         self.metrics.docs(ok=1)
         self.metrics.tokens(prompt=sum(p), output=sum(o))
 
@@ -175,6 +179,7 @@ class JobRunner:
         self.spec = spec
         self._constraints = structured.task_constraints(spec)  # task -> engine constraint (its `output:`)
         self._map_reduce = None  # set per run when a task chunks long documents
+        self.long_inputs: dict = {}  # the report's documents by long-input policy, chunk sizes
         self.fresh = fresh
         self.plan = plan
         self.progress = sys.stderr.isatty() if progress is None else progress
@@ -521,6 +526,14 @@ class JobRunner:
                           request_key=key, is_fatal=lambda err: str(err or "").startswith("ConstraintError"),
                           more_requests=self._map_reduce.more_requests if self._map_reduce else None)
 
+    def _long_inputs_report(self, tally) -> dict:
+        """This run's documents by long-input policy, and the token lengths of the chunks of
+        the documents that were map-reduced."""
+        sizes = self._map_reduce.chunk_tokens if self._map_reduce else []
+        return {"documents": {k: v for k, v in tally.policies.items() if v},
+                "chunk_tokens": {"chunks": len(sizes), "min": min(sizes, default=0), "max": max(sizes, default=0),
+                                 "mean": round(sum(sizes) / len(sizes), 1) if sizes else 0}}
+
     def _make_map_reduce(self):
         """The map -> reduce driver of `long_inputs: chunk` (dlbatch.map_reduce), when a task uses it."""
         spec = self.spec
@@ -596,6 +609,7 @@ class JobRunner:
         self._collect(d, buf, tally)
         self._commit(store, buf, tally, t_start, force=True)
         tally.progress.close()
+        self.long_inputs = self._long_inputs_report(tally)
         stats = {}
         try:
             stats = {role: ray.get([w.stats.remote() for w in ws], timeout=60) for role, ws in workers.items()}
@@ -626,6 +640,7 @@ class JobRunner:
         if task_errors:
             buf.add_errors(task_errors)
         dead = d.take_dead_letters()
+        tally.policies["skip"] += sum(e.get("error_type") == "LongInput" for e in dead)
         if dead:
             buf.add_errors(dead)
             tally.new_failed += len(dead)
@@ -755,7 +770,7 @@ class JobRunner:
             "retries": {"worker": self.retries, "io": retry_count() - self.io_retries_start},
             "dispatch": self.dispatch_stats,
             "timeline": self.timeline, "prompt_token_hist": list(prompt_hist), "output_token_hist": list(output_hist),
-            "compaction": compaction,
+            "compaction": compaction, "long_inputs": self.long_inputs,
         }
         report.update(self._startup_report())
         if self.plan and self.plan.get("usd_per_hour"):
