@@ -1,14 +1,16 @@
-/* Paged decode attention for CPUs, float32 (see dlbatch/engine/ops/native.py).
+/* Paged decode attention for CPUs (see dlbatch/engine/ops/native.py).
  *
- * One call per layer for the whole decode batch. For each (sequence, KV head) pair the
- * g = Hq / Hkv query heads of its group read the sequence's keys and values straight from
- * the paged cache, run by run (a run = consecutive cache slots), in two passes:
- *   1. scores s[gi][t] = scale * <q[gi], K[t]> for every context token, then softmax;
- *   2. out[gi] = sum_t p[gi][t] * V[t].
- * Each K and V row is read once for the whole group (GQA), with no gather, no padding
- * and no per-sequence operator dispatch: the torch version issues ~6 small ops per
- * sequence per layer, whose dispatch and thread barriers dominate decode at batch > 1.
- * The (sequence, head) pairs are split over `nthreads` POSIX threads.
+ * One call per layer for the whole decode batch. Each sequence's keys and values are
+ * read straight from the paged cache through its block table (slot = table[t / bs] * bs
+ * + t % bs, block by block), in two passes per sequence:
+ *   1. scores s[h][t] = scale * <q[h], K[t]> for every visible token, then softmax;
+ *   2. out[h] = sum_t p[h][t] * V[t].
+ * Each K and V row (all KV heads) is read once for all g = Hq / Hkv query heads of its
+ * group (GQA), with no gather, no padding and no per-sequence operator dispatch.
+ * The cache may hold float32, float16 or bfloat16: rows are widened to float32 as they
+ * are loaded (half the bytes of a float32 cache for the same math), so a CPU without
+ * native half-precision arithmetic still reads half the KV. Sequences are split over
+ * `nthreads` POSIX threads.
  */
 #include <math.h>
 #include <pthread.h>
@@ -17,10 +19,11 @@
 #include <string.h>
 
 typedef struct {
-    const float *q, *kc, *vc;
+    const float *q;
+    const void *kc, *vc;
     float *out;
-    const int64_t *run_start, *run_len, *seq_run_off, *seq_len;
-    int B, Hq, Hkv, D;
+    const int64_t *block_tables, *seq_len;
+    int B, Hq, Hkv, D, nb_stride, block_size, window;
     float scale;
     int first, last; /* sequences [first, last) */
     int max_len;
@@ -37,6 +40,25 @@ static inline v8 ld(const float *p) {
 }
 
 static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+
+typedef _Float16 v8f16 __attribute__((vector_size(16)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+/* 8 cache elements starting at element i, widened to float32 (kind is a constant after inlining) */
+static inline __attribute__((always_inline)) v8 ldkv(const void *base, size_t i, const int kind) {
+    if (kind == KV_F32) return ld((const float *)base + i);
+    if (kind == KV_F16) {
+        v8f16 h;
+        memcpy(&h, (const _Float16 *)base + i, sizeof h);
+        return __builtin_convertvector(h, v8);
+    }
+    v8u16 b;
+    memcpy(&b, (const uint16_t *)base + i, sizeof b);
+    v8i w = __builtin_convertvector(b, v8i) << 16;
+    return (v8)w;
+}
 
 static inline float hsum(v8 x) {
     return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
@@ -68,8 +90,24 @@ static inline v8 vexp(v8 x) {
     return p * (v8)e;
 }
 
-static void *work(void *arg) {
-    job_t *J = (job_t *)arg;
+/* the positions [lo, L) of sequence b, block by block: slot = table[t / bs] * bs + t % bs */
+#define FOR_EACH_SLOT(J, b, lo, L, slot, idx, BODY)                                         \
+    do {                                                                                   \
+        const int64_t *tab_ = (J)->block_tables + (size_t)(b) * (J)->nb_stride;           \
+        const int64_t bs_ = (J)->block_size;                                               \
+        int64_t idx = 0;                                                                   \
+        for (int64_t j_ = (lo) / bs_; j_ * bs_ < (L); j_++) {                              \
+            const int64_t t0_ = j_ * bs_ > (lo) ? j_ * bs_ : (lo);                         \
+            const int64_t t1_ = (j_ + 1) * bs_ < (L) ? (j_ + 1) * bs_ : (L);               \
+            const int64_t base_ = tab_[j_] * bs_ - j_ * bs_;                               \
+            for (int64_t t_ = t0_; t_ < t1_; t_++, idx++) {                                \
+                const int64_t slot = base_ + t_;                                           \
+                BODY                                                                       \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+
+static inline __attribute__((always_inline)) void work_body(job_t *J, const int kind) {
     const int Hq = J->Hq, Hkv = J->Hkv, g = Hq / Hkv, D = J->D, nv = D / 8;
     const size_t Lp = (size_t)((J->max_len + 7) / 8 * 8);
     float *scores = (float *)aligned_alloc(32, sizeof(float) * (size_t)Hq * Lp);
@@ -80,30 +118,30 @@ static void *work(void *arg) {
         free(acc);
         free(qv);
         J->status = -1;
-        return NULL;
+        return;
     }
+    const size_t row = (size_t)Hkv * D;
     for (int b = J->first; b < J->last; b++) {
-        const int64_t L = J->seq_len[b];
+        const int64_t Lfull = J->seq_len[b];
+        const int64_t lo = (J->window > 0 && Lfull > J->window) ? Lfull - J->window : 0;
+        const int64_t L = Lfull - lo; /* visible tokens */
         const int64_t Lr = (L + 7) / 8 * 8;
         const float *qb = J->q + (size_t)b * Hq * D;
         for (int i = 0; i < Hq * nv; i++) qv[i] = ld(qb + 8 * (size_t)i) * J->scale;
         /* pass 1: scores of every head, reading each token's K row (all heads) once, in order */
-        int64_t idx = 0;
-        for (int64_t r = J->seq_run_off[b]; r < J->seq_run_off[b + 1]; r++) {
-            const int64_t s0 = J->run_start[r], n = J->run_len[r];
-            for (int64_t t = s0; t < s0 + n; t++, idx++) {
-                const float *k = J->kc + (size_t)t * Hkv * D;
-                for (int h = 0; h < Hkv; h++) {
-                    const float *kh = k + (size_t)h * D;
-                    for (int gi = 0; gi < g; gi++) {
-                        const v8 *qg = qv + (h * g + gi) * nv;
-                        v8 a = qg[0] * ld(kh);
-                        for (int j = 1; j < nv; j++) a += qg[j] * ld(kh + 8 * j);
-                        scores[(size_t)(h * g + gi) * Lp + idx] = hsum(a);
-                    }
+        FOR_EACH_SLOT(J, b, lo, Lfull, slot, idx, {
+            const size_t k = (size_t)slot * row;
+            for (int h = 0; h < Hkv; h++) {
+                v8 kr[32];
+                for (int j = 0; j < nv; j++) kr[j] = ldkv(J->kc, k + (size_t)h * D + 8 * j, kind);
+                for (int gi = 0; gi < g; gi++) {
+                    const v8 *qg = qv + (h * g + gi) * nv;
+                    v8 a = qg[0] * kr[0];
+                    for (int j = 1; j < nv; j++) a += qg[j] * kr[j];
+                    scores[(size_t)(h * g + gi) * Lp + idx] = hsum(a);
                 }
             }
-        }
+        });
         /* softmax per query head */
         for (int hq = 0; hq < Hq; hq++) {
             float *s = scores + (size_t)hq * Lp;
@@ -121,21 +159,18 @@ static void *work(void *arg) {
         }
         /* pass 2: weighted sum of values, each token's V row read once, in order */
         for (int i = 0; i < Hq * nv; i++) acc[i] = (v8){0, 0, 0, 0, 0, 0, 0, 0};
-        idx = 0;
-        for (int64_t r = J->seq_run_off[b]; r < J->seq_run_off[b + 1]; r++) {
-            const int64_t s0 = J->run_start[r], n = J->run_len[r];
-            for (int64_t t = s0; t < s0 + n; t++, idx++) {
-                const float *v = J->vc + (size_t)t * Hkv * D;
-                for (int h = 0; h < Hkv; h++) {
-                    const float *vh = v + (size_t)h * D;
-                    for (int gi = 0; gi < g; gi++) {
-                        const float p = scores[(size_t)(h * g + gi) * Lp + idx];
-                        v8 *a = acc + (h * g + gi) * nv;
-                        for (int j = 0; j < nv; j++) a[j] += p * ld(vh + 8 * j);
-                    }
+        FOR_EACH_SLOT(J, b, lo, Lfull, slot, idx, {
+            const size_t v = (size_t)slot * row;
+            for (int h = 0; h < Hkv; h++) {
+                v8 vr[32];
+                for (int j = 0; j < nv; j++) vr[j] = ldkv(J->vc, v + (size_t)h * D + 8 * j, kind);
+                for (int gi = 0; gi < g; gi++) {
+                    const float p = scores[(size_t)(h * g + gi) * Lp + idx];
+                    v8 *a = acc + (h * g + gi) * nv;
+                    for (int j = 0; j < nv; j++) a[j] += p * vr[j];
                 }
             }
-        }
+        });
         float *ob = J->out + (size_t)b * Hq * D;
         for (int i = 0; i < Hq * nv; i++) st(ob + 8 * (size_t)i, acc[i]);
     }
@@ -143,19 +178,34 @@ static void *work(void *arg) {
     free(acc);
     free(qv);
     J->status = 0;
+}
+
+static void *work_f32(void *arg) {
+    work_body((job_t *)arg, KV_F32);
+    return NULL;
+}
+static void *work_f16(void *arg) {
+    work_body((job_t *)arg, KV_F16);
+    return NULL;
+}
+static void *work_bf16(void *arg) {
+    work_body((job_t *)arg, KV_BF16);
     return NULL;
 }
 
-/* q, out: (B, Hq, D); kc, vc: (slots, Hkv, D); runs of sequence b are
- * [seq_run_off[b], seq_run_off[b+1]) in run_start/run_len; seq_len[b] = sum of its runs.
- * Returns 0; -1 when memory could not be had; -2 for shapes it does not take (D % 8). */
-int dl_paged_decode_f32(const float *q, const float *kc, const float *vc, float *out, const int64_t *run_start,
-                        const int64_t *run_len, const int64_t *seq_run_off, const int64_t *seq_len, int B, int Hq,
-                        int Hkv, int D, float scale, int nthreads) {
+/* q, out: (B, Hq, D) float32; kc, vc: (slots, Hkv, D) of kv_kind (0 float32, 1 float16,
+ * 2 bfloat16); block_tables (B, nb_stride) int64; seq_len[b] = context length of sequence
+ * b (its new token included); window > 0: only its last `window` tokens are visible.
+ * Returns 0; -1 when memory could not be had; -2 for shapes it does not take. */
+int dl_paged_decode(const float *q, const void *kc, const void *vc, float *out, const int64_t *block_tables,
+                    const int64_t *seq_len, int B, int nb_stride, int block_size, int window, int Hq, int Hkv,
+                    int D, float scale, int kv_kind, int nthreads) {
     const int tasks = B;
-    if (D % 8 != 0 || Hq % Hkv != 0) return -2; /* the caller uses its torch path */
+    if (D % 8 != 0 || D > 256 || Hq % Hkv != 0 || kv_kind < 0 || kv_kind > 2) return -2; /* the caller uses its torch path */
+    void *(*fn)(void *) = kv_kind == KV_F32 ? work_f32 : kv_kind == KV_F16 ? work_f16 : work_bf16;
     int64_t max_len = 1;
     for (int b = 0; b < B; b++) max_len = seq_len[b] > max_len ? seq_len[b] : max_len;
+    if (window > 0 && max_len > window) max_len = window;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > tasks) nthreads = tasks;
     if (nthreads > 64) nthreads = 64;
@@ -163,18 +213,18 @@ int dl_paged_decode_f32(const float *q, const float *kc, const float *vc, float 
     pthread_t tids[64];
     int started[64] = {0};
     for (int i = 0; i < nthreads; i++) {
-        jobs[i] = (job_t){q, kc, vc, out, run_start, run_len, seq_run_off, seq_len, B, Hq, Hkv, D, scale,
+        jobs[i] = (job_t){q, kc, vc, out, block_tables, seq_len, B, Hq, Hkv, D, nb_stride, block_size, window, scale,
                           (int)((int64_t)tasks * i / nthreads), (int)((int64_t)tasks * (i + 1) / nthreads),
                           (int)max_len, -1};
     }
-    for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tids[i], NULL, work, &jobs[i]) == 0;
-    work(&jobs[0]);
+    for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tids[i], NULL, fn, &jobs[i]) == 0;
+    fn(&jobs[0]);
     int rc = jobs[0].status;
     for (int i = 1; i < nthreads; i++) {
         if (started[i]) {
             pthread_join(tids[i], NULL);
         } else {
-            work(&jobs[i]); /* could not start a thread: do its share here */
+            fn(&jobs[i]); /* could not start a thread: do its share here */
         }
         if (jobs[i].status != 0) rc = -1;
     }
