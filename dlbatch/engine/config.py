@@ -161,6 +161,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     admission: str = "reserve"  # reserve (prompt+max_tokens blocks up front) | greedy (recompute-preemption)
     allow_upcast: bool = True  # CPU without native bf16/fp16 matmul: compute in fp32 (see engine/device.py)
+    kv_cache_dtype: str = "auto"  # auto: the compute dtype; float16/bfloat16 halve the KV bytes of an fp32 model
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -173,5 +174,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} < block_size {self.block_size}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         if self.admission not in ("reserve", "greedy"):
             raise ValueError(f"admission {self.admission!r} is not one of reserve, greedy")

@@ -24,7 +24,8 @@ class LLM:
                  chat: bool | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True, admission: str = "reserve",
                  num_kv_blocks: int | None = None, storage_options: dict | None = None,
-                 op_overrides: dict | None = None, num_threads: int | None = None, allow_upcast: bool = True):
+                 op_overrides: dict | None = None, num_threads: int | None = None, allow_upcast: bool = True,
+                 kv_cache_dtype: str = "auto"):
         import torch
 
         if num_threads:
@@ -38,7 +39,7 @@ class LLM:
                               kv_cache_memory=parse_memory(kv_cache_memory), num_kv_blocks=num_kv_blocks,
                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                               enable_prefix_caching=enable_prefix_caching, admission=admission,
-                              allow_upcast=allow_upcast)
+                              allow_upcast=allow_upcast, kv_cache_dtype=kv_cache_dtype)
         self.model_name = model
         self.engine = LLMEngine(loaded, config, op_overrides)
         self.tokenizer = self.engine.tokenizer

@@ -11,7 +11,8 @@ from dlbatch.engine.step_meta import AttnMeta, StepMetaBuilder  # noqa: F401  (A
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, mconf: ModelConfig, econf: EngineConfig, num_blocks: int):
+    def __init__(self, model: Transformer, mconf: ModelConfig, econf: EngineConfig, num_blocks: int,
+                 kv_dtype: torch.dtype | None = None):
         self.model = model
         self.mconf = mconf
         self.econf = econf
@@ -19,15 +20,18 @@ class ModelRunner:
         self.block_size = econf.block_size
         # the reference decode attention needs a padded gather index; device ops may not
         self.need_gather = model.ops.chosen.get("paged_decode_attention") == "reference"
-        # the native CPU kernel (dlbatch/engine/ops/_paged_attn.c) takes float32 caches
+        # the KV cache may be stored narrower than the model computes (kv_cache_dtype): the
+        # ops convert on store and on read; the native CPU kernel widens rows as it loads them
+        kv_dtype = kv_dtype or model.dtype
+        # the native CPU kernel (dlbatch/engine/ops/_paged_attn.c) takes float32 queries
         self.use_native = False
         if model.ops.chosen.get("paged_decode_attention") == "cpu" and model.dtype == torch.float32:
             from dlbatch.engine.ops import native
 
-            self.use_native = native.lib() is not None
+            self.use_native = native.lib() is not None and kv_dtype in native.KV_KINDS
         self.kv_cache = torch.zeros(
             (2, mconf.num_layers, num_blocks, econf.block_size, mconf.num_kv_heads, mconf.head_dim),
-            dtype=model.dtype, device=model.device)
+            dtype=kv_dtype, device=model.device)
         chosen = model.ops.chosen
         self.meta_builder = StepMetaBuilder(
             econf.block_size, econf.max_model_len, econf.max_num_seqs, model.device, mconf.sliding_window,
@@ -73,7 +77,9 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs) -> list[int]:
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
+            from dlbatch.engine.ops.native import argmax_rows
+
+            return argmax_rows(logits).tolist()
         dev = logits.device
         temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev)

@@ -94,3 +94,15 @@ def test_engine_uses_native_kernel_and_stays_exact(tmp_path):
     llm.engine.runner.use_native = False
     slow = [o.token_ids for o in llm.generate(prompts, params)]
     assert fast == slow
+
+
+def test_native_argmax_matches_torch():
+    assert native._argmax_lib() is not None
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 1003, generator=g)
+    x[5, 17] = x[5, 900] = 100.0  # ties: the first index wins
+    x[6, :] = -float("inf")
+    x[7, 40] = float("nan")  # a NaN is the maximum, as in torch
+    x[8, :5] = 1e9
+    for m in (x, x[:, :7], x[:, 1:]):
+        assert native.argmax_rows(m).tolist() == m.argmax(dim=-1).tolist()

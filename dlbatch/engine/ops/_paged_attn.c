@@ -12,6 +12,9 @@
  * native half-precision arithmetic still reads half the KV. Sequences are split over
  * `nthreads` POSIX threads.
  */
+#if defined(__AVX__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -50,9 +53,13 @@ enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 static inline __attribute__((always_inline)) v8 ldkv(const void *base, size_t i, const int kind) {
     if (kind == KV_F32) return ld((const float *)base + i);
     if (kind == KV_F16) {
+#ifdef __F16C__
+        return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+#else
         v8f16 h;
         memcpy(&h, (const _Float16 *)base + i, sizeof h);
         return __builtin_convertvector(h, v8);
+#endif
     }
     v8u16 b;
     memcpy(&b, (const uint16_t *)base + i, sizeof b);
@@ -90,26 +97,42 @@ static inline v8 vexp(v8 x) {
     return p * (v8)e;
 }
 
-/* the positions [lo, L) of sequence b, block by block: slot = table[t / bs] * bs + t % bs */
-#define FOR_EACH_SLOT(J, b, lo, L, slot, idx, BODY)                                         \
-    do {                                                                                   \
-        const int64_t *tab_ = (J)->block_tables + (size_t)(b) * (J)->nb_stride;           \
-        const int64_t bs_ = (J)->block_size;                                               \
-        int64_t idx = 0;                                                                   \
-        for (int64_t j_ = (lo) / bs_; j_ * bs_ < (L); j_++) {                              \
-            const int64_t t0_ = j_ * bs_ > (lo) ? j_ * bs_ : (lo);                         \
-            const int64_t t1_ = (j_ + 1) * bs_ < (L) ? (j_ + 1) * bs_ : (L);               \
-            const int64_t base_ = tab_[j_] * bs_ - j_ * bs_;                               \
-            for (int64_t t_ = t0_; t_ < t1_; t_++, idx++) {                                \
-                const int64_t slot = base_ + t_;                                           \
-                BODY                                                                       \
-            }                                                                              \
-        }                                                                                  \
-    } while (0)
+#define CH 32 /* tokens per chunk: a chunk's K or V rows stay in L1 while every query head reads them */
+
+/* element offsets of the cache rows of positions [t0, t0 + n) of a sequence */
+static inline void chunk_rows(const int64_t *tab, int64_t bs, int64_t t0, int n, size_t row, size_t *off) {
+    for (int i = 0; i < n; i++) {
+        const int64_t t = t0 + i;
+        off[i] = (size_t)(tab[t / bs] * bs + t % bs) * row;
+    }
+}
+
+/* 8 dot products <q, K[t]> (t = 8 rows at off[0..7] + h0) as one vector, nv 8-float
+ * vectors each: the horizontal sums are done together (hadd tree) instead of one per row. */
+static inline __attribute__((always_inline)) v8 dot8(const v8 *q, const void *kc, const size_t *off, size_t h0,
+                                                     int nv, const int kind) {
+    v8 a[8];
+    for (int t = 0; t < 8; t++) {
+        v8 x = q[0] * ldkv(kc, off[t] + h0, kind);
+        for (int j = 1; j < nv; j++) x += q[j] * ldkv(kc, off[t] + h0 + 8 * j, kind);
+        a[t] = x;
+    }
+#ifdef __AVX__
+    __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    t0 = _mm256_hadd_ps(t0, t1);
+    t2 = _mm256_hadd_ps(t2, t3);
+    return (v8)_mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+#else
+    v8 r;
+    for (int t = 0; t < 8; t++) r[t] = hsum(a[t]);
+    return r;
+#endif
+}
 
 static inline __attribute__((always_inline)) void work_body(job_t *J, const int kind) {
     const int Hq = J->Hq, Hkv = J->Hkv, g = Hq / Hkv, D = J->D, nv = D / 8;
-    const size_t Lp = (size_t)((J->max_len + 7) / 8 * 8);
+    const size_t Lp = (size_t)((J->max_len + CH - 1) / CH * CH);
     float *scores = (float *)aligned_alloc(32, sizeof(float) * (size_t)Hq * Lp);
     v8 *acc = (v8 *)aligned_alloc(32, sizeof(v8) * (size_t)Hq * nv);
     v8 *qv = (v8 *)aligned_alloc(32, sizeof(v8) * (size_t)Hq * nv);
@@ -121,27 +144,33 @@ static inline __attribute__((always_inline)) void work_body(job_t *J, const int 
         return;
     }
     const size_t row = (size_t)Hkv * D;
+    size_t off[CH];
     for (int b = J->first; b < J->last; b++) {
         const int64_t Lfull = J->seq_len[b];
         const int64_t lo = (J->window > 0 && Lfull > J->window) ? Lfull - J->window : 0;
         const int64_t L = Lfull - lo; /* visible tokens */
         const int64_t Lr = (L + 7) / 8 * 8;
+        const int64_t *tab = J->block_tables + (size_t)b * J->nb_stride;
         const float *qb = J->q + (size_t)b * Hq * D;
         for (int i = 0; i < Hq * nv; i++) qv[i] = ld(qb + 8 * (size_t)i) * J->scale;
-        /* pass 1: scores of every head, reading each token's K row (all heads) once, in order */
-        FOR_EACH_SLOT(J, b, lo, Lfull, slot, idx, {
-            const size_t k = (size_t)slot * row;
+        /* pass 1, chunk by chunk: scores of every query head over the chunk's K rows */
+        for (int64_t c = 0; c < L; c += CH) {
+            const int n = (int)(L - c < CH ? L - c : CH);
+            chunk_rows(tab, J->block_size, lo + c, n, row, off);
+            const int n8 = n / 8 * 8;
             for (int h = 0; h < Hkv; h++) {
-                v8 kr[32];
-                for (int j = 0; j < nv; j++) kr[j] = ldkv(J->kc, k + (size_t)h * D + 8 * j, kind);
                 for (int gi = 0; gi < g; gi++) {
-                    const v8 *qg = qv + (h * g + gi) * nv;
-                    v8 a = qg[0] * kr[0];
-                    for (int j = 1; j < nv; j++) a += qg[j] * kr[j];
-                    scores[(size_t)(h * g + gi) * Lp + idx] = hsum(a);
+                    const v8 *q = qv + (h * g + gi) * nv;
+                    float *s = scores + (size_t)(h * g + gi) * Lp + c;
+                    for (int t = 0; t < n8; t += 8) st(s + t, dot8(q, J->kc, off + t, (size_t)h * D, nv, kind));
+                    for (int t = n8; t < n; t++) {
+                        v8 a = q[0] * ldkv(J->kc, off[t] + (size_t)h * D, kind);
+                        for (int j = 1; j < nv; j++) a += q[j] * ldkv(J->kc, off[t] + (size_t)h * D + 8 * j, kind);
+                        s[t] = hsum(a);
+                    }
                 }
             }
-        });
+        }
         /* softmax per query head */
         for (int hq = 0; hq < Hq; hq++) {
             float *s = scores + (size_t)hq * Lp;
@@ -157,20 +186,34 @@ static inline __attribute__((always_inline)) void work_body(job_t *J, const int 
             const float inv = 1.f / hsum(vs);
             for (int64_t t = 0; t < Lr; t += 8) st(s + t, ld(s + t) * inv);
         }
-        /* pass 2: weighted sum of values, each token's V row read once, in order */
+        /* pass 2, chunk by chunk: each query head's weighted sum over the chunk's V rows,
+         * 8 output columns at a time held in a register across the chunk */
         for (int i = 0; i < Hq * nv; i++) acc[i] = (v8){0, 0, 0, 0, 0, 0, 0, 0};
-        FOR_EACH_SLOT(J, b, lo, Lfull, slot, idx, {
-            const size_t v = (size_t)slot * row;
+        for (int64_t c = 0; c < L; c += CH) {
+            const int n = (int)(L - c < CH ? L - c : CH);
+            chunk_rows(tab, J->block_size, lo + c, n, row, off);
             for (int h = 0; h < Hkv; h++) {
-                v8 vr[32];
-                for (int j = 0; j < nv; j++) vr[j] = ldkv(J->vc, v + (size_t)h * D + 8 * j, kind);
                 for (int gi = 0; gi < g; gi++) {
-                    const float p = scores[(size_t)(h * g + gi) * Lp + idx];
+                    const float *p = scores + (size_t)(h * g + gi) * Lp + c;
                     v8 *a = acc + (h * g + gi) * nv;
-                    for (int j = 0; j < nv; j++) a[j] += p * vr[j];
+                    int j = 0;
+                    for (; j + 8 <= nv; j += 8) { /* 8 independent accumulators in registers */
+                        v8 x[8];
+                        for (int u = 0; u < 8; u++) x[u] = a[j + u];
+                        for (int t = 0; t < n; t++) {
+                            const size_t o = off[t] + (size_t)h * D + 8 * (size_t)j;
+                            for (int u = 0; u < 8; u++) x[u] += p[t] * ldkv(J->vc, o + 8 * u, kind);
+                        }
+                        for (int u = 0; u < 8; u++) a[j + u] = x[u];
+                    }
+                    for (; j < nv; j++) {
+                        v8 x = a[j];
+                        for (int t = 0; t < n; t++) x += p[t] * ldkv(J->vc, off[t] + (size_t)h * D + 8 * j, kind);
+                        a[j] = x;
+                    }
                 }
             }
-        });
+        }
         float *ob = J->out + (size_t)b * Hq * D;
         for (int i = 0; i < Hq * nv; i++) st(ob + 8 * (size_t)i, acc[i]);
     }
