@@ -113,6 +113,7 @@ class StepMetaBuilder:
         self.need_decode_gather = need_decode_gather
         self.need_prefill_gather = need_prefill_gather
         self._staging: torch.Tensor | None = None
+        self._copied = None  # CUDA event: the last staging copy has completed
 
     def build(self, prefills, decodes):
         """prefills / decodes: lists of ScheduledSeq (decodes run exactly their next token).
@@ -186,17 +187,23 @@ class StepMetaBuilder:
 
     def _to_device(self, host: dict) -> dict:
         """CPU: the host tensors are the step's tensors. CUDA: packed into one pinned
-        buffer, one non_blocking copy, views on the device. The staging buffer is reused:
-        the previous step's copy has completed because sampling synchronised with it."""
+        buffer, one non_blocking copy, views on the device. The staging buffer is reused
+        once the previous step's copy has completed (an event; normally long done, since
+        sampling synchronises every step that has logits)."""
         if self.device.type == "cpu":
             return host
         flat = [t.reshape(-1) for t in host.values()]
         n = sum(t.numel() for t in flat)
+        if self._copied is not None:
+            self._copied.synchronize()
         if self._staging is None or self._staging.numel() < n:
             self._staging = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=self.pin)
         buf = self._staging[:n]
         torch.cat(flat, out=buf)
         d = buf.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         out, off = {}, 0
         for k, t in host.items():
             out[k] = d[off:off + t.numel()].view(t.shape)

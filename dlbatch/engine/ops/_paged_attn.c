@@ -12,7 +12,7 @@
  * native half-precision arithmetic still reads half the KV. Sequences are split over
  * `nthreads` POSIX threads.
  */
-#if defined(__AVX__) || defined(__F16C__)
+#if defined(__AVX__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <math.h>
@@ -61,10 +61,15 @@ static inline __attribute__((always_inline)) v8 ldkv(const void *base, size_t i,
         return __builtin_convertvector(h, v8);
 #endif
     }
+#ifdef __AVX2__
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
     v8u16 b;
     memcpy(&b, (const uint16_t *)base + i, sizeof b);
     v8i w = __builtin_convertvector(b, v8i) << 16;
     return (v8)w;
+#endif
 }
 
 static inline float hsum(v8 x) {
