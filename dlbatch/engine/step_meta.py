@@ -15,7 +15,7 @@ Two pieces:
   packed int64 buffer. Only what the chosen attention ops read is built: the padded
   gather + mask for the reference decode op, per-chunk gathers for the reference prefill
   op; device kernels read `decode_block_tables` / `decode_lens` and the prefill
-  `cu_seqlens_q`, `prefill_ctx_lens` and `prefill_block_tables` directly.
+  `prefill_cu_q`, `prefill_ctx` and `prefill_block_tables` directly.
 
 Layout of the metadata a kernel can take (all int64, on the model's device):
   slots (T,)                    cache slot of every token of the step (store_kv)
@@ -23,9 +23,10 @@ Layout of the metadata a kernel can take (all int64, on the model's device):
   decode_block_tables (B, nb)   block ids of each decoding sequence; entries past its
                                 length are stale but valid block ids
   decode_lens (B,)              context length of each decoding sequence, new token included
-  cu_seqlens_q (P+1,)           prefill chunk boundaries in the flattened tokens
-  prefill_ctx_lens (P,)         tokens already in the cache before each chunk
+  prefill_cu_q (P+1,)           prefill chunk boundaries in the flattened tokens
+  prefill_ctx (P,)              tokens already in the cache before each chunk
   prefill_block_tables (P, nb)  block ids of each prefilling sequence
+  prefill_max_new               the longest chunk (an int, for a kernel's grid)
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ class AttnMeta:
     slots: torch.Tensor
     num_prefill_tokens: int
     prefill: list = field(default_factory=list)  # (q_start, n_new, ctx_start, gather|None) per chunk
-    cu_seqlens_q: torch.Tensor | None = None
-    prefill_ctx_lens: torch.Tensor | None = None
+    prefill_cu_q: torch.Tensor | None = None
+    prefill_ctx: torch.Tensor | None = None
+    prefill_max_new: int = 0
     prefill_block_tables: torch.Tensor | None = None
     decode_block_tables: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
@@ -150,8 +152,9 @@ class StepMetaBuilder:
         meta = AttnMeta(slots=dev["slots"], num_prefill_tokens=num_prefill, block_size=self.bs,
                         sliding_window=self.window)
         if P:
-            meta.cu_seqlens_q, meta.prefill_ctx_lens = dev["cu_seqlens_q"], dev["prefill_ctx_lens"]
+            meta.prefill_cu_q, meta.prefill_ctx = dev["prefill_cu_q"], dev["prefill_ctx"]
             meta.prefill_block_tables = dev["prefill_block_tables"]
+            meta.prefill_max_new = max(ns)
             meta.prefill = self._prefill_gathers(prefill_meta, host["prefill_block_tables"])
         if B:
             meta.decode_block_tables, meta.decode_lens = dev["decode_block_tables"], dev["decode_lens"]
@@ -172,7 +175,7 @@ class StepMetaBuilder:
             seq_of = torch.cat([seq_of, torch.arange(P, P + B)]) if B else seq_of
             tok_rows = rows[seq_of]
             nb_p = int(((starts_t[:P] + ns_t + bs - 1) // bs).max())
-            h["cu_seqlens_q"], h["prefill_ctx_lens"] = cu, starts_t[:P]
+            h["prefill_cu_q"], h["prefill_ctx"] = cu, starts_t[:P]
             h["prefill_block_tables"] = table[:, :nb_p].index_select(0, rows[:P])
         else:
             pos, tok_rows = starts_t, rows

@@ -43,7 +43,8 @@ def test_mixed_step_matches_per_token_formula():
                   + [_slots(dec1.block_table, len(dec1) - 1, len(dec1))[0], _slots(dec2.block_table, 2, 3)[0]])
     assert ids.tolist() == want_ids and pos.tolist() == want_pos and meta.slots.tolist() == want_slots
     assert meta.num_prefill_tokens == 18 and rows.tolist() == [9, 17, 18, 19] and seqs == [pre, chunk, dec1, dec2]
-    assert meta.cu_seqlens_q.tolist() == [0, 10, 18] and meta.prefill_ctx_lens.tolist() == [0, 5]
+    assert meta.prefill_cu_q.tolist() == [0, 10, 18] and meta.prefill_ctx.tolist() == [0, 5]
+    assert meta.prefill_max_new == 10
     assert meta.prefill[0][3] is None and meta.prefill[1][3].tolist() == _slots(chunk.block_table, 0, 13)
     assert meta.decode_lens.tolist() == [len(dec1), len(dec2)]
     for r, s in enumerate((dec1, dec2)):
