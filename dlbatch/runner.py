@@ -209,6 +209,8 @@ class JobRunner:
         self.io_retries_start = 0
         self.prefetch = None  # the running BatchPrefetcher (its first batch time goes to the report)
         self.startup = None  # StartupClock of the run: where the time before the first token went
+        self.docs_total_hint: int | None = None  # documents of the input when known (files), for the ETA
+        self.already_done = self.already_failed = 0  # committed before this run
         self.gen = None  # GenerationTimeline: tokens by the time workers generated them
 
     # ------------------------------------------------------------------------------------

@@ -100,6 +100,33 @@ def test_engine_bench_smoke(tmp_path):
         assert _close(d["ratio"], d["ours_tokens_per_s"] / d["theirs_tokens_per_s"])
         assert _close(d["ours_frac_bw"], d["bytes_per_step"] / d["ours_step_s"] / bw)
     assert {t["target"] for t in r["targets"]} and all("met" in t for t in r["targets"])
+    so = r["step_overhead"]
+    assert so["batch"] == 64 and so["context"] == 4096
+    assert min(so["new_meta_s"], so["new_step_s"], so["legacy_meta_s"], so["legacy_step_s"]) > 0
+    (t,) = [t for t in r["targets"] if t["target"].startswith("step metadata")]
+    assert _close(t["value"], so["new_meta_s"] * 1e3)
+
+
+def test_step_overhead_legacy_prepare_agrees():
+    """The baseline of the step-overhead line computes the same ids, positions and slots."""
+    import torch
+
+    from dlbatch.bench.step_overhead import _setup, legacy_prepare
+
+    class M:
+        device, dtype, config = torch.device("cpu"), torch.float32, None
+
+        class ops:
+            chosen = {"paged_decode_attention": "cpu", "prefill_attention": "reference"}
+
+    from dlbatch.engine.config import ModelConfig
+
+    mconf = ModelConfig("llama", 50, 16, 32, 1, 2, 1, 8)
+    sched, runner = _setup(M, mconf, batch=5, context=70, steps=3)
+    out = sched.schedule()
+    new, old = runner.prepare(out), legacy_prepare(runner, out)
+    for a, b in ((new[0], old[0]), (new[1], old[1]), (new[2].slots, old[2].slots), (new[3], old[3])):
+        assert a.tolist() == b.tolist()
 
 
 @pytest.mark.slow

@@ -17,6 +17,10 @@ Figures (medians over repeats):
   `min_new_tokens = max_new_tokens = N`. Tokens/s = batch / median step time.
 - limits: peak matmul FLOP/s for the requested dtype, for the dtype ours computes in and
   for fp32; memory copy bandwidth (read + write bytes / s).
+- step overhead (dlbatch/bench/step_overhead.py): host time of `ModelRunner.prepare` for
+  64 decoding sequences x 4K context, and of a whole decode step with a no-op model
+  (schedule, prepare, sample over the real vocabulary, postprocess), against the
+  previous list-based `prepare` measured in the same run.
 - roofline: prefill achieved FLOP/s ÷ peak of the dtype ours computes in (and of the
   requested dtype); decode (weight bytes + KV bytes read per step) ÷ step time ÷ copy
   bandwidth.
@@ -66,6 +70,8 @@ def add_arguments(p) -> None:
     p.add_argument("--budget-s", type=float, default=180.0,
                    help="time budget per timed case; a slow side gets fewer repeats (reported)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype ours stores the KV cache in (auto: the compute dtype)")
     p.add_argument("--no-baseline", action="store_true", help="skip transformers (ours and limits only)")
 
 
@@ -157,7 +163,7 @@ def model_counts(llm) -> dict:
     c = m.config
     linear = sum(L.qkv_w.numel() + L.o_w.numel() + L.gate_up_w.numel() + L.down_w.numel() for L in m.layers)
     el = m.embed.element_size()
-    kv_tok = 2 * c.num_layers * c.num_kv_heads * c.head_dim * el
+    kv_tok = 2 * c.num_layers * c.num_kv_heads * c.head_dim * llm.engine.runner.kv_cache.element_size()
     return {"layers": c.num_layers, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
             "hidden": c.hidden_size, "vocab": c.vocab_size, "linear_params": linear, "lm_head_params": m.lm_head.numel(),
             "weight_bytes": m.weight_bytes(), "kv_bytes_per_token": kv_tok, "elem_bytes": el}
@@ -326,7 +332,7 @@ def run(args) -> int:
         llm = LLM(ours_name, dtype=args.dtype, device=device, max_model_len=need_len, chat=False,
                   block_size=block, max_num_batched_tokens=max(2048, max(prefill_lens)),
                   max_num_seqs=max(64, max(batches)), num_kv_blocks=-(-kv_tokens // block),
-                  num_threads=args.threads)
+                  num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype)
         ours_load = time.perf_counter() - t0
         ours_dtype = llm.engine.compute_dtype
         cnt = model_counts(llm)
@@ -410,6 +416,14 @@ def run(args) -> int:
             print(f"  decode batch {b}: ours {row['ours_tokens_per_s']:.1f} tok/s, theirs "
                   f"{row.get('theirs_tokens_per_s') or 0:.1f} tok/s", flush=True)
         result["decode"] = decode
+        from dlbatch.bench.step_overhead import measure as measure_step
+
+        so = measure_step(llm.engine.model, llm.engine.mconf)
+        result["step_overhead"] = so
+        print(f"  step overhead (batch {so['batch']} x {so['context']} ctx, no-op model): metadata "
+              f"{so['new_meta_s'] * 1e3:.2f} ms (list-based before: {so['legacy_meta_s'] * 1e3:.2f} ms), "
+              f"decode step {so['new_step_s'] * 1e3:.2f} ms (before: {so['legacy_step_s'] * 1e3:.2f} ms), of which "
+              f"sampling {so['sample_s'] * 1e3:.2f} ms: host time {so['new_host_s'] * 1e3:.2f} ms", flush=True)
         # limits again after the workload; keep the best (other jobs share this machine)
         lim = limits.merge_best(lim, limits.measure(sorted({args.dtype, ours_dtype, base_dtype}), device, quick=quick))
         result["limits"] = lim
@@ -420,7 +434,7 @@ def run(args) -> int:
             row["ours_frac_peak_requested_dtype"] = row["ours_flops_per_s"] / peak_req
         for row in decode:
             row["ours_frac_bw"] = row["ours_bytes_per_s"] / bw
-        result["targets"] = targets(prefill, decode, lim, args.dtype, cuda)
+        result["targets"] = targets(prefill, decode, lim, args.dtype, cuda) + step_targets(so, cuda)
         return finish_bench(result, render, args.json)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -469,6 +483,19 @@ def targets(prefill: list, decode: list, lim: dict, dtype: str, cuda: bool) -> l
     return out
 
 
+def step_targets(so: dict, cuda: bool) -> list[dict]:
+    """Issue 18's host-overhead targets (CPU figures; on CUDA the target is relative to a
+    decode step and is evaluated by the GPU check)."""
+    if cuda:
+        return []
+    rows = []
+    for name, v, goal in ((f"step metadata {so['batch']} seqs x {so['context']} ctx <= 1 ms", so["new_meta_s"], 1e-3),
+                          (f"no-op decode step batch {so['batch']} <= 2 ms (host time, sampling excluded)",
+                           so["new_host_s"], 2e-3)):
+        rows.append({"target": name, "value": v * 1e3, "goal": goal * 1e3, "met": v <= goal})
+    return rows
+
+
 def render(result: dict) -> str:
     m = result["model"]
     base = result.get("baseline", {})
@@ -490,6 +517,13 @@ def render(result: dict) -> str:
                      f"{100 * r['ours_frac_bw']:.0f}% of copy bw",
                      f"{r['ours_bytes_per_s'] / 1e9:,.2f} GB/s",
                      f"{r['ours_steps']}/{r.get('theirs_steps', '-')} steps"])
+    so = result.get("step_overhead")
+    if so:
+        rows.append([f"step overhead {so['batch']} seq x {so['context']} ctx (ms)",
+                     f"meta {so['new_meta_s'] * 1e3:.2f} / step {so['new_step_s'] * 1e3:.2f} "
+                     f"(sample {so['sample_s'] * 1e3:.2f})",
+                     f"before: {so['legacy_meta_s'] * 1e3:.2f} / {so['legacy_step_s'] * 1e3:.2f}",
+                     f"{so['legacy_step_s'] / so['new_step_s']:.1f}x", "-", "-", "-"])
     lim = result["limits"]
     lines.append("limits used: matmul peak " + ", ".join(f"{d} {v['flops'] / 1e9:,.1f} GFLOP/s"
                                                          for d, v in lim["matmul"].items())

@@ -217,6 +217,7 @@ class EngineConfig:
     admission: str = "reserve"  # reserve (prompt+max_tokens blocks up front) | greedy (recompute-preemption)
     allow_upcast: bool = True  # CPU without native bf16/fp16 matmul: compute in fp32 (see engine/device.py)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (engine/cuda_graph.py)
+    kv_cache_dtype: str = "auto"  # auto: the compute dtype; float16/bfloat16 halve the KV bytes of an fp32 model
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -229,5 +230,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} < block_size {self.block_size}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         if self.admission not in ("reserve", "greedy"):
             raise ValueError(f"admission {self.admission!r} is not one of reserve, greedy")

@@ -52,10 +52,11 @@ class LLMEngine:
         dtype = torch_dtype(self.compute_dtype)
         self.ops = get_ops(device, op_overrides)
         self.model = Transformer(self.mconf, loaded.weights, self.ops, dtype, device, config.max_model_len)
-        self.num_blocks = self._num_blocks(dtype, device)
+        self.kv_dtype = dtype if config.kv_cache_dtype == "auto" else torch_dtype(config.kv_cache_dtype)
+        self.num_blocks = self._num_blocks(self.kv_dtype, device)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.model, self.mconf, config, self.num_blocks)
+        self.runner = ModelRunner(self.model, self.mconf, config, self.num_blocks, self.kv_dtype)
         if device.type == "cuda" and not config.enforce_eager:
             from dlbatch.engine.cuda_graph import GraphedModel, graphs_supported
 

@@ -25,7 +25,7 @@ class LLM:
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True, admission: str = "reserve",
                  num_kv_blocks: int | None = None, storage_options: dict | None = None,
                  op_overrides: dict | None = None, num_threads: int | None = None, allow_upcast: bool = True,
-                 enforce_eager: bool = False, device_share: float = 1.0):
+                 enforce_eager: bool = False, device_share: float = 1.0, kv_cache_dtype: str = "auto"):
         import torch
 
         if num_threads:
@@ -42,7 +42,7 @@ class LLM:
                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                               enable_prefix_caching=enable_prefix_caching, admission=admission,
                               allow_upcast=allow_upcast, enforce_eager=enforce_eager,
-                              device_share=device_share)
+                              device_share=device_share, kv_cache_dtype=kv_cache_dtype)
         self.model_name = model
         self.engine = LLMEngine(loaded, config, op_overrides)
         self.tokenizer = self.engine.tokenizer

@@ -2,27 +2,12 @@
 `(2, layers, blocks, block_size, kv_heads, head_dim)`."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from dlbatch.engine.config import EngineConfig, ModelConfig
 from dlbatch.engine.model import Transformer
 from dlbatch.engine.scheduler import SchedulerOutput
-
-
-@dataclass
-class AttnMeta:
-    slots: torch.Tensor
-    num_prefill_tokens: int
-    prefill: list = field(default_factory=list)  # (q_start, n_new, ctx_start, gather|None)
-    decode_gather: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
-    decode_lens: torch.Tensor | None = None
-    decode_runs: list | None = None  # per sequence: [(first_slot, n_tokens), ...] contiguous in the cache
-    native_runs: object | None = None  # decode_runs as flat tensors for the native CPU kernel
-    sliding_window: int | None = None
-    on_layer: object = None  # called with the layer index right after it stored its KV
+from dlbatch.engine.step_meta import AttnMeta, StepMetaBuilder  # noqa: F401  (AttnMeta: re-exported)
 
 
 def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -40,7 +25,8 @@ def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, mconf: ModelConfig, econf: EngineConfig, num_blocks: int):
+    def __init__(self, model: Transformer, mconf: ModelConfig, econf: EngineConfig, num_blocks: int,
+                 kv_dtype: torch.dtype | None = None):
         self.model = model
         self.mconf = mconf
         self.econf = econf
@@ -48,105 +34,43 @@ class ModelRunner:
         self.block_size = econf.block_size
         # the reference decode attention needs a padded gather index; device ops may not
         self.need_gather = model.ops.chosen.get("paged_decode_attention") == "reference"
-        # the native CPU kernel (dlbatch/engine/ops/_paged_attn.c) takes float32 caches
+        # the KV cache may be stored narrower than the model computes (kv_cache_dtype): the
+        # ops convert on store and on read; the native CPU kernel widens rows as it loads them
+        kv_dtype = kv_dtype or model.dtype
+        # the native CPU kernel (dlbatch/engine/ops/_paged_attn.c) takes float32 queries
         self.use_native = False
         if model.ops.chosen.get("paged_decode_attention") == "cpu" and model.dtype == torch.float32:
             from dlbatch.engine.ops import native
 
-            self.use_native = native.lib() is not None
+            self.use_native = native.lib() is not None and kv_dtype in native.KV_KINDS
         self.masker = None  # engine/constraint.py ConstraintMasker, set by the engine
         self.kv_cache = _zeros(
             (2, mconf.num_layers, num_blocks, econf.block_size, mconf.num_kv_heads, mconf.head_dim),
-            dtype=model.dtype, device=model.device)
+            dtype=kv_dtype, device=model.device)
+        chosen = model.ops.chosen
+        self.meta_builder = StepMetaBuilder(
+            econf.block_size, econf.max_model_len, econf.max_num_seqs, model.device, mconf.sliding_window,
+            need_decode_gather=self.need_gather, need_prefill_gather=chosen.get("prefill_attention") == "reference")
 
     @staticmethod
     def bytes_per_block(mconf: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         return 2 * mconf.num_layers * block_size * mconf.num_kv_heads * mconf.head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots of token positions [start, end) of a sequence with block table `table`."""
         bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+        bt = torch.tensor(table, dtype=torch.int64)
+        p = torch.arange(start, end)
+        return (bt[p // bs] * bs + p % bs).to(self.device)
 
     def prepare(self, out: SchedulerOutput):
+        """-> (token ids, positions, AttnMeta, logits rows, sequences to sample): prefill
+        chunks first, then decode tokens (see dlbatch/engine/step_meta.py)."""
         prefills = [s for s in out.scheduled if not (s.num_new == 1 and s.seq.num_computed > 0)]
         decodes = [s for s in out.scheduled if s.num_new == 1 and s.seq.num_computed > 0]
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        prefill_meta = []
-        logits_rows: list[int] = []
-        logits_seqs = []
-        for s in prefills:
-            seq, start, n = s.seq, s.seq.num_computed, s.num_new
-            q_start = len(ids)
-            npr = len(seq.prompt_ids)
-            if start + n <= npr:
-                ids.extend(seq.prompt_ids[start:start + n])
-            else:
-                ids.extend(seq.all_ids[start:start + n])
-            pos.extend(range(start, start + n))
-            slots.extend(self._slots(seq.block_table, start, start + n))
-            gather = None
-            if start > 0:
-                gather = torch.tensor(self._slots(seq.block_table, 0, start + n), dtype=torch.long, device=self.device)
-            prefill_meta.append((q_start, n, start, gather))
-            if s.needs_logits:
-                logits_rows.append(len(ids) - 1)
-                logits_seqs.append(seq)
-        num_prefill = len(ids)
-        dg = dm = dl = None
-        if decodes:
-            lens = [s.seq.num_computed + 1 for s in decodes]
-            lmax = max(lens)
-            window = self.mconf.sliding_window
-            bs = self.block_size
-            gather_rows = []
-            for s, L in zip(decodes, lens):
-                seq = s.seq
-                p = seq.num_computed
-                npr = len(seq.prompt_ids)
-                ids.append(seq.prompt_ids[p] if p < npr else seq.output_ids[p - npr])
-                pos.append(p)
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
-                if self.need_gather:
-                    gather_rows.append(self._slots(seq.block_table, 0, L) + [0] * (lmax - L))
-                logits_rows.append(len(ids) - 1)
-                logits_seqs.append(seq)
-            dl = torch.tensor(lens, dtype=torch.long, device=self.device)
-            if self.need_gather:
-                dg = torch.tensor(gather_rows, dtype=torch.long, device=self.device)
-                kpos = torch.arange(lmax, device=self.device).unsqueeze(0)
-                mask = kpos < dl.unsqueeze(1)
-                if window is not None:
-                    mask &= kpos > (dl.unsqueeze(1) - 1 - window)
-                dm = mask[:, None, None, :]
-            runs_all = []
-            bs = self.block_size
-            for s, L in zip(decodes, lens):
-                lo = 0 if window is None else max(0, L - window)
-                table = s.seq.block_table
-                runs = []
-                p = lo
-                while p < L:
-                    blk = table[p // bs]
-                    start = blk * bs + p % bs
-                    n = min(bs - p % bs, L - p)
-                    p += n
-                    if runs and runs[-1][0] + runs[-1][1] == start:
-                        runs[-1] = (runs[-1][0], runs[-1][1] + n)
-                    else:
-                        runs.append((start, n))
-                runs_all.append(runs)
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        native_runs = None
-        if decodes and self.use_native:
-            from dlbatch.engine.ops.native import Runs
-
-            native_runs = Runs(runs_all)
-        meta = AttnMeta(slots=t(slots), num_prefill_tokens=num_prefill, prefill=prefill_meta,
-                        decode_gather=dg, decode_mask=dm, decode_lens=dl, sliding_window=self.mconf.sliding_window,
-                        decode_runs=runs_all if decodes else None, native_runs=native_runs)
-        return t(ids), t(pos), meta, t(logits_rows), logits_seqs
+        ids, pos, meta, rows, seqs = self.meta_builder.build(prefills, decodes)
+        meta.use_native = self.use_native
+        return ids, pos, meta, rows, seqs
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
         """Run one step; returns {id(seq): sampled token} for sequences that reached a sample point."""
@@ -172,7 +96,9 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs) -> list[int]:
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
+            from dlbatch.engine.ops.native import argmax_rows
+
+            return argmax_rows(logits).tolist()
         dev = logits.device
         temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev)
@@ -191,7 +117,7 @@ class ModelRunner:
 
     # ---- KV export / import (prefill/decode disaggregation) ------------------------------
     def _export_index(self, seq, num_tokens: int) -> torch.Tensor:
-        return torch.tensor(self._slots(seq.block_table, 0, num_tokens), dtype=torch.long, device=self.device)
+        return self._slots(seq.block_table, 0, num_tokens)
 
     def export_layer(self, idx: torch.Tensor, li: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``li`` of the KV at cache slots ``idx``, token-major (2, len(idx), Hkv, D),
@@ -232,7 +158,7 @@ class ModelRunner:
         sequence's blocks, converting dtype; the block size of the sender does not matter
         since the payload is token-major."""
         n = kv.shape[1]
-        idx = torch.tensor(self._slots(seq.block_table, start, n), dtype=torch.long, device=self.device)
+        idx = self._slots(seq.block_table, start, n)
         hk, d = self.mconf.num_kv_heads, self.mconf.head_dim
         flat = self.kv_cache.view(2, self.mconf.num_layers, -1, hk, d)
         src = kv[:, start:n].to(device=self.device, dtype=self.kv_cache.dtype)

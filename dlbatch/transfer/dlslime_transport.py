@@ -82,6 +82,7 @@ from typing import Iterator
 import numpy as np
 
 from dlbatch.transfer.base import Deadline, KVReceiver, KVSender, Transport
+from dlbatch.transfer.buffer_pool import BufferPool, PerProcess, size_class
 from dlbatch.transfer.errors import (
     CorruptPayload,
     FingerprintMismatch,
@@ -163,9 +164,7 @@ def _check_bindable(ip: str) -> None:
 
 
 def _size_class(nbytes: int) -> int:
-    from dlbatch.transfer.shm import size_class
-
-    return size_class(nbytes)
+    return size_class(nbytes)  # the classes of shm's segments
 
 
 @dataclass(frozen=True)
@@ -210,20 +209,19 @@ _RESULTS = {  # why a buffer went back to the pool
 _KEEP_RESULTS = 4096
 
 
-class _SenderState:
-    """Per process: the endpoint(s), the control area (never freed), the buffer pool."""
+class _SenderState(BufferPool[_Buf]):
+    """Per process: the endpoint(s), the control area (never freed), the buffer pool
+    (dlbatch/transfer/buffer_pool.py): a buffer is back once its receiver acknowledged,
+    said it gave up, or its lease ran out."""
 
     def __init__(self):
-        self.pid = os.getpid()
-        self.lock = threading.Lock()
+        super().__init__(POOL_MAX_BUFFERS, POOL_MAX_BYTES)
         self.endpoints: dict[str, object] = {}
         self.ctrl = np.zeros(MAX_TRANSFERS * SLOT_SIZE, dtype=np.uint8)
         self.slots = self.ctrl.view("<u8").reshape(MAX_TRANSFERS, SLOT_SIZE // 8)
         self.free_slots = list(range(MAX_TRANSFERS - 1, -1, -1))
-        self.idle: list[_Buf] = []  # oldest first
-        self.out: list[_Buf] = []  # open, or closed and not acknowledged yet
         self.results: dict[int, str] = {}  # generation -> how its buffer came back (the last _KEEP_RESULTS)
-        self.stats = {"created": 0, "reused": 0, "received": 0, "abandoned": 0, "lease": 0, "aborted": 0}
+        self.returns = {"received": 0, "abandoned": 0, "lease": 0, "aborted": 0}
         self.node = socket.gethostname()
         multiprocessing.util.Finalize(self, _SenderState.shutdown, args=(self,), exitpriority=10)
 
@@ -253,13 +251,16 @@ class _SenderState:
         self.free_slots.append(s)
         buf.slot = -1
 
-    def _to_idle(self, buf: _Buf, result: str, pool: bool = True) -> None:
+    def _finish(self, buf: _Buf, result: str) -> None:
         self._release_slot(buf, aborted=result == "aborted")
         buf.busy = buf.live = False
-        self.stats[result] += 1
+        self.returns[result] += 1
         self.results[buf.gen] = result
         while len(self.results) > _KEEP_RESULTS:
             del self.results[next(iter(self.results))]
+
+    def _to_idle(self, buf: _Buf, result: str, pool: bool = True) -> None:
+        self._finish(buf, result)
         if buf in self.out:
             self.out.remove(buf)
         if pool:
@@ -273,25 +274,26 @@ class _SenderState:
             return "abandoned"
         return None
 
-    def _reclaim(self) -> None:
-        now = time.monotonic()
-        for buf in list(self.out):
-            if buf.busy:
-                continue
-            state = self._ack_state(buf)
-            if state is not None:
-                self._to_idle(buf, state)
-            elif now - buf.closed_at > LEASE_S:
-                self._to_idle(buf, "lease")
+    # -- pool hooks (buffer_pool.py)
+    def _returned(self, buf: _Buf) -> str | None:
+        state = self._ack_state(buf)
+        if state is None and time.monotonic() - buf.closed_at > LEASE_S:
+            state = "lease"
+        if state is None:
+            return None
+        self._finish(buf, state)
+        return "idle"
 
-    def _trim(self, max_buffers: int, max_bytes: int) -> None:
-        while self.idle and (len(self.idle) > max_buffers or sum(b.size for b in self.idle) > max_bytes):
-            self.idle.pop(0).arr = None  # freed; its slot was cleared when it came back
+    def _dispose(self, buf: _Buf) -> None:
+        buf.arr = None  # freed; its slot was cleared when it came back
+
+    def _create(self, size: int) -> _Buf:
+        return _Buf(np.empty(size, dtype=np.uint8))
 
     def acquire(self, nbytes: int) -> _Buf:
         cls = _size_class(nbytes)
         with self.lock:
-            self._reclaim()
+            self.reclaim_locked()
             if not self.free_slots:
                 raise TransferError(
                     f"this process has {MAX_TRANSFERS} dlslime KV transfers that no receiver acknowledged "
@@ -299,21 +301,17 @@ class _SenderState:
                     f"DLBATCH_DLSLIME_LEASE_S={LEASE_S:g}s)"
                 )
             slot = self.free_slots.pop()
-            buf = next((b for b in self.idle if b.size == cls), None)
-            if buf is not None:
-                self.idle.remove(buf)
-                self.stats["reused"] += 1
-            else:
-                self._trim(POOL_MAX_BUFFERS, max(0, POOL_MAX_BYTES - cls))
+            buf = self.take_idle_locked(cls)
         if buf is None:
             try:
-                buf = _Buf(np.empty(cls, dtype=np.uint8))
+                buf = self._create(cls)
             except BaseException:
                 with self.lock:
                     self.free_slots.append(slot)
                 raise
             with self.lock:
-                self.stats["created"] += 1
+                self.created += 1
+                self.out.append(buf)
         with self.lock:
             buf.slot = slot
             buf.gen = secrets.randbits(63) | 1  # odd, never 0; ~gen (the "abandoned" ack) is even
@@ -321,7 +319,6 @@ class _SenderState:
             self.slots[buf.slot, 2] = 0
             self.slots[buf.slot, 1] = 0
             self.slots[buf.slot, 0] = buf.gen
-            self.out.append(buf)
         return buf
 
     def owns(self, buf: _Buf, gen: int) -> bool:
@@ -363,25 +360,24 @@ class _SenderState:
             for buf in list(self.out):
                 # an open sender's buffer is dropped, not pooled: views it lent may still be written
                 self._to_idle(buf, "aborted", pool=not buf.busy)
-            self._trim(0, 0)
+            self.trim_locked(0, 0)
 
 
-_STATE: _SenderState | None = None
-_STATE_LOCK = threading.Lock()
+_STATE = PerProcess(_SenderState)
 _FORK_INHERITED: list = []  # a forked child must never run the parent's endpoint destructors (no I/O thread here)
 
 
 def _after_fork_in_child() -> None:
     """The parent's endpoints are unusable here (their I/O threads did not fork) and their C++
     destructors would join a thread that does not exist: keep them alive for good."""
-    global _STATE
-    if _STATE is not None:
+    st = _STATE.obj
+    if st is not None:
         import ctypes
 
-        for ep in _STATE.endpoints.values():
+        for ep in st.endpoints.values():
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(ep))
-        _FORK_INHERITED.append(_STATE)
-        _STATE = None
+        _FORK_INHERITED.append(st)
+        _STATE.obj = None
 
 
 if hasattr(os, "register_at_fork"):
@@ -389,43 +385,27 @@ if hasattr(os, "register_at_fork"):
 
 
 def _state() -> _SenderState:
-    global _STATE
-    with _STATE_LOCK:
-        if _STATE is None or _STATE.pid != os.getpid():
-            _STATE = _SenderState()
-        return _STATE
+    return _STATE.get()
 
 
 def pool_stats() -> dict:
     """Sender pool of this process: idle / outstanding buffers, and counts of how buffers came back."""
     st = _state()
     with st.lock:
-        st._reclaim()  # noqa: SLF001
-        return {
-            "idle": len(st.idle),
-            "idle_bytes": sum(b.size for b in st.idle),
-            "outstanding": len(st.out),
-            "endpoints": len(st.endpoints),
-            **st.stats,
-        }
+        st.reclaim_locked()
+        return {**st.stats_locked(), "endpoints": len(st.endpoints), **st.returns}
 
 
 def drain_pool() -> int:
     """Free this process's idle sender buffers; returns how many."""
-    st = _state()
-    with st.lock:
-        st._reclaim()  # noqa: SLF001
-        n = len(st.idle)
-        st._trim(0, 0)  # noqa: SLF001
-    return n
+    return len(_state().drain())
 
 
 def shutdown() -> None:
     """Shut this process's sender endpoint(s) down and free the pool. Receivers of transfers not
     yet read get SenderDied. The next ``open_sender`` starts a new endpoint (new port)."""
-    with _STATE_LOCK:
-        st = _STATE
-    if st is not None and st.pid == os.getpid():
+    st = _STATE.peek()
+    if st is not None:
         st.shutdown()
 
 

@@ -57,6 +57,8 @@ from typing import Iterator
 import numpy as np
 
 from dlbatch.transfer.base import Deadline, KVReceiver, KVSender, Transport
+from dlbatch.transfer.buffer_pool import BufferPool, PerProcess
+from dlbatch.transfer.buffer_pool import size_class as _size_class
 from dlbatch.transfer.errors import (
     FingerprintMismatch,
     SenderDied,
@@ -142,11 +144,7 @@ MAP_CACHE_MAX_BYTES = int(os.environ.get("DLBATCH_SHM_MAP_CACHE_BYTES", str(3 <<
 
 def size_class(nbytes: int) -> int:
     """Segment size for ``nbytes`` (payload + control block): 2^k * {1, 1.25, 1.5, 1.75}, >= 1 MiB."""
-    if nbytes <= MIN_CLASS:
-        return MIN_CLASS
-    top = 1 << (nbytes - 1).bit_length()  # next power of two
-    step = top // 8  # classes between top/2 and top in steps of top/8
-    return -(-nbytes // step) * step
+    return _size_class(nbytes, MIN_CLASS)
 
 
 class _Segment:
@@ -173,61 +171,39 @@ class _Segment:
             return True
 
 
-class _Pool:
-    """Per-process pool: ``idle`` segments ready for reuse, ``out`` ones handed to receivers."""
+class _Pool(BufferPool[_Segment]):
+    """Per-process segment pool (dlbatch/transfer/buffer_pool.py): a segment is back once
+    its receiver set ``done``; one a receiver unlinked is forgotten."""
 
     def __init__(self):
-        self.pid = os.getpid()
-        self.lock = threading.Lock()
-        self.idle: list[_Segment] = []  # oldest first
-        self.out: list[_Segment] = []
-        self.created = 0
-        self.reused = 0
+        super().__init__(POOL_MAX_SEGMENTS, POOL_MAX_BYTES)
         multiprocessing.util.Finalize(self, _Pool.shutdown, args=(self,), exitpriority=10)
 
-    # -- called with self.lock held
-    def _reclaim(self) -> None:
-        keep = []
-        for seg in self.out:
-            if seg.busy:
-                keep.append(seg)
-            elif seg.unlinked():
-                _close_quietly(seg.shm)
-            elif seg.ctrl()[1]:
-                self.idle.append(seg)
-            else:
-                keep.append(seg)
-        self.out = keep
+    def _create(self, size: int) -> _Segment:
+        name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        _untrack(shm)
+        return _Segment(shm, size)
 
-    def _trim(self, max_segments: int, max_bytes: int) -> None:
-        while self.idle and (
-            len(self.idle) > max_segments or sum(s.size for s in self.idle) > max_bytes
-        ):
-            seg = self.idle.pop(0)
-            _unlink(seg.shm)
-            _close_quietly(seg.shm)
+    def _returned(self, seg: _Segment) -> str | None:
+        if seg.unlinked():
+            return "drop"
+        return "idle" if seg.ctrl()[1] else None
+
+    def _forget(self, seg: _Segment) -> None:
+        _close_quietly(seg.shm)
+
+    def _dispose(self, seg: _Segment) -> None:
+        _unlink(seg.shm)
+        _close_quietly(seg.shm)
+
+    def _usable(self, seg: _Segment) -> bool:
+        return not seg.unlinked()
 
     def acquire(self, nbytes: int, prefault: bool = False) -> _Segment:
-        cls = size_class(nbytes)
-        with self.lock:
-            self._reclaim()
-            for k, seg in enumerate(self.idle):
-                if seg.size == cls and not seg.unlinked():
-                    self.idle.pop(k)
-                    seg.busy = True
-                    self.reused += 1
-                    self.out.append(seg)
-                    return seg
-            self._trim(POOL_MAX_SEGMENTS, max(0, POOL_MAX_BYTES - cls))
-        name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=cls)
-        _untrack(shm)
-        seg = _Segment(shm, cls)
+        seg = super().acquire(size_class(nbytes))
         if prefault:
-            _prefault(shm)
-        with self.lock:
-            self.created += 1
-            self.out.append(seg)
+            _prefault(seg.shm)
         return seg
 
     def discard(self, seg: _Segment) -> None:
@@ -237,20 +213,13 @@ class _Pool:
         _unlink(seg.shm)
         _close_quietly(seg.shm)
 
-    def drain(self) -> list[str]:
-        with self.lock:
-            self._reclaim()
-            names = [s.name for s in self.idle]
-            self._trim(0, 0)
-        return names
-
     def shutdown(self) -> None:
         """At exit: unlink idle and received segments; leave unreceived ones to their receiver."""
         if os.getpid() != self.pid:
             return
         with self.lock:
-            self._reclaim()
-            self._trim(0, 0)
+            self.reclaim_locked()
+            self.trim_locked(0, 0)
             for seg in self.out:
                 if seg.busy or seg.unlinked():
                     if seg.busy:  # a sender never closed: nobody will complete it
@@ -265,35 +234,21 @@ class _Pool:
             self.out = []
 
 
-_POOL: _Pool | None = None
-_POOL_LOCK = threading.Lock()
+_POOL = PerProcess(_Pool)
 
 
 def _pool() -> _Pool:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL.pid != os.getpid():  # a forked child starts its own pool
-            _POOL = _Pool()
-        return _POOL
+    return _POOL.get()
 
 
 def pool_stats() -> dict:
     """Idle/outstanding segments and how many were created or reused in this process."""
-    pool = _pool()
-    with pool.lock:
-        pool._reclaim()  # noqa: SLF001
-        return {
-            "idle": len(pool.idle),
-            "idle_bytes": sum(s.size for s in pool.idle),
-            "outstanding": len(pool.out),
-            "created": pool.created,
-            "reused": pool.reused,
-        }
+    return _pool().stats()
 
 
 def drain_pool() -> list[str]:
     """Unlink this process's idle segments (received ones included); returns their names."""
-    return _pool().drain()
+    return [seg.name for seg in _pool().drain()]
 
 
 def close_pool() -> None:
@@ -322,12 +277,7 @@ def prewarm(meta: KVMeta, count: int = 1) -> None:
     the kernel still zeroes every page)."""
     pool = _pool()
     need = _align(buffer_layout(meta).total_size) + CTRL_SIZE
-    segs = [pool.acquire(need, prefault=True) for _ in range(count)]
-    with pool.lock:
-        for seg in segs:
-            seg.busy = False
-            pool.out.remove(seg)
-            pool.idle.append(seg)
+    pool.release_idle([pool.acquire(need, prefault=True) for _ in range(count)])
 
 
 def _prefault(shm: shared_memory.SharedMemory) -> None:

@@ -11,48 +11,72 @@ pytestmark = pytest.mark.skipif(native.lib() is None, reason="native kernel unav
 
 
 class Meta:
-    pass
+    sliding_window = None
+    use_native = False
 
 
-def _case(hq, hk, d, lens, block=16, seed=0):
+def _case(hq, hk, d, lens, block=16, seed=0, window=None):
+    """Sequences sharing their first blocks (a common prefix) and each owning its tail
+    blocks, scattered in the cache; block tables padded with stale ids."""
     g = torch.Generator().manual_seed(seed)
-    slots = sum(lens) + 64
-    blocks = (slots + block - 1) // block
+    nb = [(n + block - 1) // block for n in lens]
+    shared = min(nb) // 2
+    blocks = shared + sum(b - shared for b in nb) + 4
     kc = torch.randn(blocks, block, hk, d, generator=g)
     vc = torch.randn(blocks, block, hk, d, generator=g)
     q = torch.randn(len(lens), hq, d, generator=g)
-    runs_all, gather, pos = [], [], 0
-    for i, n in enumerate(lens):
-        # two runs per sequence: a shared head (slots [0, n//3)) and its own tail elsewhere
-        head = n // 3
-        runs = ([(0, head)] if head else []) + [(64 + pos, n - head)]
-        pos += n - head
-        runs_all.append(runs)
-        gather.append([s + j for s, m in runs for j in range(m)])
-    lmax = max(lens)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    tables, nxt = [], shared
+    for b in nb:
+        own = perm[nxt:nxt + b - shared]
+        nxt += b - shared
+        tables.append(perm[:shared] + own + [perm[-1]] * (max(nb) - b))
     meta = Meta()
-    meta.decode_runs = runs_all
-    meta.decode_gather = torch.tensor([r + [0] * (lmax - len(r)) for r in gather])
-    meta.decode_mask = (torch.arange(lmax)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+    meta.sliding_window = window
+    meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64)
+    meta.decode_lens = torch.tensor(lens, dtype=torch.int64)
+    lmax = max(lens)
+    k = torch.arange(lmax)
+    meta.decode_gather = meta.decode_block_tables[:, k // block] * block + k % block
+    lens_t = meta.decode_lens
+    mask = k[None, :] < lens_t[:, None]
+    if window is not None:
+        mask &= k[None, :] > lens_t[:, None] - 1 - window
+    meta.decode_mask = mask[:, None, None, :]
     return q, kc, vc, meta
 
 
-@pytest.mark.parametrize("hq,hk,d,lens", [(9, 3, 64, [1, 17, 300, 1024]), (4, 4, 32, [5]), (8, 2, 128, [33, 2, 70])])
-def test_native_matches_reference(hq, hk, d, lens):
-    q, kc, vc, meta = _case(hq, hk, d, lens)
+@pytest.mark.parametrize("hq,hk,d,lens,block,window", [
+    (9, 3, 64, [1, 17, 300, 1024], 16, None), (4, 4, 32, [5], 16, None), (8, 2, 128, [33, 2, 70], 32, None),
+    (8, 2, 64, [100, 7, 250], 16, 40)])
+def test_native_matches_reference(hq, hk, d, lens, block, window):
+    q, kc, vc, meta = _case(hq, hk, d, lens, block, window=window)
     want = reference(q, kc, vc, meta)
-    got = native.paged_decode_f32(q, kc, vc, native.Runs(meta.decode_runs))
+    got = native.paged_decode(q, kc, vc, meta.decode_block_tables, meta.decode_lens, window)
     assert got is not None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch_loop(q, kc, vc, meta), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_native_reads_half_precision_cache(dtype):
+    """A float16/bfloat16 cache is widened exactly inside the kernel: same result as the
+    reference over the same (rounded) values in float32."""
+    q, kc, vc, meta = _case(9, 3, 64, [3, 200, 513], 16)
+    kh, vh = kc.to(dtype), vc.to(dtype)
+    want = reference(q, kh.float(), vh.float(), meta)
+    got = native.paged_decode(q, kh, vh, meta.decode_block_tables, meta.decode_lens)
+    assert got is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch_loop(q, kh, vh, meta), want, rtol=1e-5, atol=1e-5)
+
+
 def test_native_declines_what_it_does_not_take():
     q, kc, vc, meta = _case(4, 2, 12, [7])  # head_dim not a multiple of 8
-    assert native.paged_decode_f32(q, kc, vc, native.Runs(meta.decode_runs)) is None
+    assert native.paged_decode(q, kc, vc, meta.decode_block_tables, meta.decode_lens) is None
     q, kc, vc, meta = _case(4, 2, 16, [7])
-    runs = native.Runs(meta.decode_runs)
-    assert native.paged_decode_f32(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), runs) is None
+    assert native.paged_decode(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), meta.decode_block_tables,
+                               meta.decode_lens) is None  # bf16 queries: the model computes in bf16
 
 
 def test_engine_uses_native_kernel_and_stays_exact(tmp_path):
@@ -70,3 +94,15 @@ def test_engine_uses_native_kernel_and_stays_exact(tmp_path):
     llm.engine.runner.use_native = False
     slow = [o.token_ids for o in llm.generate(prompts, params)]
     assert fast == slow
+
+
+def test_native_argmax_matches_torch():
+    assert native._argmax_lib() is not None
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 1003, generator=g)
+    x[5, 17] = x[5, 900] = 100.0  # ties: the first index wins
+    x[6, :] = -float("inf")
+    x[7, 40] = float("nan")  # a NaN is the maximum, as in torch
+    x[8, :5] = 1e9
+    for m in (x, x[:, :7], x[:, 1:]):
+        assert native.argmax_rows(m).tolist() == m.argmax(dim=-1).tolist()

@@ -7,10 +7,10 @@ runs of consecutive blocks (usually one or two: a shared prefix and its own tail
 run is a zero-copy view of the cache, scores of all runs are concatenated, one softmax,
 then the weighted sum run by run. No copy of the KV, no padding, exact same math.
 
-When the C kernel of dlbatch/engine/ops/native.py is available (float32 caches; built
-on first use), the whole batch goes through it in one call per layer: each token's K
-and V rows (all heads) are read once, in order, with no per-sequence op dispatch —
-about 3x faster at batch 12-32 here. The torch loop below is the fallback.
+When the C kernel of dlbatch/engine/ops/native.py is available, the whole batch goes
+through it in one call per layer, reading the block tables directly: each token's K and
+V rows (all heads) are read once, in order, with no per-sequence op dispatch, from a
+float32, float16 or bfloat16 cache. The torch loop below is the fallback.
 """
 from __future__ import annotations
 
@@ -19,21 +19,31 @@ import torch
 from dlbatch.engine.ops.registry import register_op
 
 
+def _runs(table: list[int], lo: int, length: int, bs: int) -> list[tuple[int, int]]:
+    """Positions [lo, length) of a sequence as runs (first slot, count) of consecutive slots."""
+    runs: list[tuple[int, int]] = []
+    p = lo
+    while p < length:
+        start = table[p // bs] * bs + p % bs
+        n = min(bs - p % bs, length - p)
+        p += n
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((start, n))
+    return runs
+
+
 @register_op("paged_decode_attention", "cpu")
 def paged_decode_attention(q, k_cache, v_cache, meta) -> torch.Tensor:
-    native_runs = getattr(meta, "native_runs", None)
-    if native_runs is not None:
-        from dlbatch.engine.ops.native import paged_decode_f32
+    if getattr(meta, "use_native", True):
+        from dlbatch.engine.ops.native import paged_decode
 
-        out = paged_decode_f32(q, k_cache, v_cache, native_runs)
+        out = paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, meta.sliding_window)
         if out is not None:
             return out
-    runs_all = getattr(meta, "decode_runs", None)
-    if runs_all is None:
-        from dlbatch.engine.ops.reference import paged_decode_attention as ref
-
-        return ref(q, k_cache, v_cache, meta)
     hk, d = k_cache.shape[-2:]
+    bs = k_cache.shape[1]
     kc = k_cache.view(-1, hk, d)
     vc = v_cache.view(-1, hk, d)
     b, hq, _ = q.shape
@@ -41,21 +51,23 @@ def paged_decode_attention(q, k_cache, v_cache, meta) -> torch.Tensor:
     scale = d ** -0.5
     out = torch.empty_like(q)
     qg = (q * scale).view(b, hk, g, d)
-    for i, runs in enumerate(runs_all):
+    window = meta.sliding_window
+    for i, (table, length) in enumerate(zip(meta.decode_block_tables.tolist(), meta.decode_lens.tolist())):
+        runs = _runs(table, 0 if window is None else max(0, length - window), length, bs)
         qi = qg[i]  # (hk, g, d)
         if len(runs) == 1:
             s, n = runs[0]
-            k = kc[s:s + n].permute(1, 2, 0)  # (hk, d, n)
-            v = vc[s:s + n].transpose(0, 1)  # (hk, n, d)
+            k = kc[s:s + n].to(q.dtype).permute(1, 2, 0)  # (hk, d, n)
+            v = vc[s:s + n].to(q.dtype).transpose(0, 1)  # (hk, n, d)
             p = torch.matmul(qi, k).softmax(dim=-1)
             out[i] = torch.matmul(p, v).view(hq, d)
             continue
-        scores = torch.cat([torch.matmul(qi, kc[s:s + n].permute(1, 2, 0)) for s, n in runs], dim=-1)
+        scores = torch.cat([torch.matmul(qi, kc[s:s + n].to(q.dtype).permute(1, 2, 0)) for s, n in runs], dim=-1)
         p = scores.softmax(dim=-1)
         acc = None
         off = 0
         for s, n in runs:
-            part = torch.matmul(p[..., off:off + n], vc[s:s + n].transpose(0, 1))
+            part = torch.matmul(p[..., off:off + n], vc[s:s + n].to(q.dtype).transpose(0, 1))
             acc = part if acc is None else acc + part
             off += n
         out[i] = acc.view(hq, d)

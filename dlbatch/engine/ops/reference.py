@@ -49,8 +49,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @register_op("store_kv")
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     hk, d = k_cache.shape[-2:]
-    k_cache.view(-1, hk, d).index_copy_(0, slots, k)
-    v_cache.view(-1, hk, d).index_copy_(0, slots, v)
+    k_cache.view(-1, hk, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, hk, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 @register_op("rotary_store_kv")
@@ -90,8 +90,8 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
                 pos = torch.arange(n, device=q.device)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=_window_mask(pos, pos, window), enable_gqa=True)
         else:
-            ki = kc.index_select(0, gather).transpose(0, 1).unsqueeze(0)
-            vi = vc.index_select(0, gather).transpose(0, 1).unsqueeze(0)
+            ki = kc.index_select(0, gather).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vi = vc.index_select(0, gather).to(q.dtype).transpose(0, 1).unsqueeze(0)
             q_pos = torch.arange(ctx, ctx + n, device=q.device)
             k_pos = torch.arange(ctx + n, device=q.device)
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=_window_mask(q_pos, k_pos, window), enable_gqa=True)
@@ -106,8 +106,8 @@ def paged_decode_attention(q, k_cache, v_cache, meta) -> torch.Tensor:
     hk, d = k_cache.shape[-2:]
     b, lmax = meta.decode_gather.shape
     idx = meta.decode_gather.reshape(-1)
-    ki = k_cache.view(-1, hk, d).index_select(0, idx).view(b, lmax, hk, d).transpose(1, 2)
-    vi = v_cache.view(-1, hk, d).index_select(0, idx).view(b, lmax, hk, d).transpose(1, 2)
+    ki = k_cache.view(-1, hk, d).index_select(0, idx).to(q.dtype).view(b, lmax, hk, d).transpose(1, 2)
+    vi = v_cache.view(-1, hk, d).index_select(0, idx).to(q.dtype).view(b, lmax, hk, d).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), ki, vi, attn_mask=meta.decode_mask, enable_gqa=True)
     return o.squeeze(2)
 
