@@ -589,7 +589,7 @@ class JobRunner:
                 if not pools.refs:
                     time.sleep(0.05)  # input, a worker coming back, a held-back worker, a regroup
                 for b, outcome in pools.wait(0.5):
-                    if not isinstance(outcome, BaseException):  # the report's timeline: when tokens were made
+                    if self.gen is not None and not isinstance(outcome, BaseException):  # when tokens were made
                         for res in outcome:
                             self.gen.add(res, time.time())
                     pools.handle(b, outcome)
