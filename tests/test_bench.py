@@ -147,6 +147,21 @@ def test_pipeline_bench_smoke(tmp_path, sample_model):
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_pipeline_long_bench_smoke(tmp_path, sample_model):
+    """chunk vs truncate on the shortest long sample paper: chunk reaches all of it."""
+    r = _bench("pipeline", ["--long", "--quick", "--set", "model.dtype=float32"], tmp_path)
+    t, c = r["truncate"], r["chunk"]
+    assert t["rows"] == c["rows"] == 3
+    (paper,) = t["share_reached"]
+    assert t["share_reached"][paper] < 0.5 and c["share_reached"][paper] == 1.0
+    assert c["chunks"] >= 4 and c["prefill_tokens_computed"] > t["prefill_tokens_computed"]
+    assert _close(r["ratio"]["wall"], c["wall_s"] / t["wall_s"])
+    assert c["long_inputs"]["documents"] == {"chunk": 1} and t["long_inputs"]["documents"] == {"truncate": 1}
+    _check_limits(r["limits"], ["float32"])
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_router_bench_smoke(tmp_path, sample_model):
     r = _bench("router", ["--quick", "--set", "model.dtype=float32"], tmp_path)
     s = r["summary"]

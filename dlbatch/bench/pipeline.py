@@ -48,6 +48,9 @@ def add_arguments(p) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra job overrides for ours (and the shared fields of the baseline)")
     p.add_argument("--quick", action="store_true", help="1 short document, max_tokens 4: a smoke run")
+    p.add_argument("--long", action="store_true",
+                   help="the sample papers longer than the context: long_inputs chunk vs truncate (wall time, "
+                        "tokens computed, share of each paper reaching the model); --docs papers, --max-model-len")
 
 
 # ---------------------------------------------------------------------------- baseline
@@ -209,6 +212,10 @@ def run(args) -> int:
     from dlbatch.bench import limits
     from dlbatch.jobspec import load_job
 
+    if args.long:
+        from dlbatch.bench.long_inputs import run_long
+
+        return run_long(args)
     if args.quick:
         args.docs = min(args.docs, 1)
         args.max_tokens = args.max_tokens or 4
