@@ -122,17 +122,3 @@ def test_cuda_ops_register_only_with_triton():
     assert registry.get_ops("cpu").chosen["add_rms_norm"] == "reference"
 
 
-def test_block_tables_from_slot_runs():
-    """Any split of a sequence's slots into runs (merged or one per token) gives the same
-    block table; a sliding window's runs start mid-block."""
-    from dlbatch.engine.ops.cuda import _blocks_of_runs
-
-    table, bs, n = [7, 2, 9, 4], 4, 15
-    slots = [table[p // bs] * bs + p % bs for p in range(n)]
-    one_each = [(s, 1) for s in slots]
-    merged = [(28, 4), (8, 4), (36, 4), (16, 3)]
-    assert _blocks_of_runs(one_each, 0, bs) == table
-    assert _blocks_of_runs(merged, 0, bs) == table
-    lo = 6  # window: positions 6..14
-    assert _blocks_of_runs([(s, 1) for s in slots[lo:]], lo, bs) == [0, 2, 9, 4]
-    assert _blocks_of_runs([(10, 2), (36, 4), (16, 3)], lo, bs) == [0, 2, 9, 4]

@@ -39,24 +39,14 @@ def _slots(table: list[int], bs: int, lo: int, hi: int) -> list[int]:
     return [table[p // bs] * bs + p % bs for p in range(lo, hi)]
 
 
-def _runs(table: list[int], bs: int, lo: int, hi: int) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for s in _slots(table, bs, lo, hi):
-        if runs and runs[-1][0] + runs[-1][1] == s:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((s, 1))
-    return runs
-
-
 def _cache(num_blocks: int, bs: int, hk: int, d: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(num_blocks, bs, hk, d, generator=g), torch.randn(num_blocks, bs, hk, d, generator=g))
 
 
 def _decode_meta(tables, lens, bs, window) -> AttnMeta:
-    """The metadata the runner builds for the reference op (padded gather + mask) and the
-    slot runs the CUDA op derives its block tables from."""
+    """The metadata the runner builds: the padded gather + mask of the reference op and
+    the block tables the CUDA op reads."""
     lmax = max(lens)
     gather = torch.tensor([_slots(t, bs, 0, n) + [0] * (lmax - n) for t, n in zip(tables, lens)])
     dl = torch.tensor(lens)
@@ -64,9 +54,10 @@ def _decode_meta(tables, lens, bs, window) -> AttnMeta:
     mask = kpos < dl.unsqueeze(1)
     if window is not None:
         mask &= kpos > (dl.unsqueeze(1) - 1 - window)
-    runs = [_runs(t, bs, 0 if window is None else max(0, n - window), n) for t, n in zip(tables, lens)]
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)  # as step_meta keeps them
     return AttnMeta(slots=torch.zeros(0, dtype=torch.long), num_prefill_tokens=0, decode_gather=gather,
-                    decode_mask=mask[:, None, None, :], decode_lens=dl, decode_runs=runs, sliding_window=window)
+                    decode_mask=mask[:, None, None, :], decode_lens=dl, decode_block_tables=bt, sliding_window=window)
 
 
 @pytest.mark.parametrize("bs", [16, 32])
@@ -79,7 +70,7 @@ def test_paged_decode_matches_reference(bs, window):
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(2))
     meta = _decode_meta(tables, lens, bs, window)
     want = reference.paged_decode_attention(q, kc, vc, meta)
-    got = cuda.paged_decode_attention(q, kc, vc, meta)  # block tables derived from the runs
+    got = cuda.paged_decode_attention(q, kc, vc, meta)  # the step's int64 block tables
     torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
     # the same through explicit tensors, with partitions of 1 block (the split-K merge)
     bt = cuda._pad_rows([torch.tensor(t, dtype=torch.int32) for t in tables], "cpu")

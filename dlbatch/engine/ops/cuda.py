@@ -13,10 +13,9 @@ gathered copy. They take tensors, looked up on the step's ``AttnMeta``:
   offsets of each sequence's new tokens in q), ``prefill_ctx`` (S,) int32 (position of
   its first new token) and ``prefill_max_new`` (int).
 
-When a step's metadata does not carry them (the runner builds the forms its chosen op
-needs), :func:`decode_tables` / :func:`prefill_tables` derive them from the reference
-forms: the per-sequence slot runs of a decode and the slot lists of a prefill; one small
-op per sequence, never per token.
+The step (dlbatch/engine/step_meta.py) keeps them as persistent tensors (int64 block
+tables). Metadata built by hand without the prefill tensors (tests) falls back to the
+prefill slot lists in :func:`prefill_tables`: one small op per sequence, never per token.
 """
 from __future__ import annotations
 
@@ -44,34 +43,9 @@ def _pad_rows(rows: list[torch.Tensor], device) -> torch.Tensor:
 
 
 def decode_tables(meta, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block_tables (B, W) int32, seq_lens (B,) int32) of a decode step."""
-    tables = getattr(meta, "decode_block_tables", None)
-    lens = meta.decode_lens
-    if tables is not None:
-        return tables, lens.to(torch.int32)
-    window = meta.sliding_window
-    full = []
-    for n, runs in zip(lens.tolist(), meta.decode_runs):
-        # the runs start at the window's first position: the blocks before it are never read
-        lo = max(0, n - window) if window else 0
-        full.append(torch.tensor(_blocks_of_runs(runs, lo, block_size), dtype=torch.int32))
-    lens_i = lens.to(torch.int32)
-    return _pad_rows(full, lens.device), lens_i
-
-
-def _blocks_of_runs(runs, lo: int, bs: int) -> list[int]:
-    """Block table of a sequence from its runs of consecutive slots covering positions
-    [lo, n) in order: one entry per block (entries before lo's block are 0, never read)."""
-    blocks = [0] * (lo // bs)
-    p = lo
-    for start, cnt in runs:
-        q = p
-        while q < p + cnt:
-            if q == lo or q % bs == 0:  # the first position of a block in this sequence
-                blocks.append((start + q - p) // bs)
-            q += bs - q % bs
-        p += cnt
-    return blocks
+    """(block_tables (B, W), seq_lens (B,) int32) of a decode step: the step's persistent
+    block tables (dlbatch/engine/step_meta.py), read by the kernel directly."""
+    return meta.decode_block_tables, meta.decode_lens.to(torch.int32)
 
 
 def prefill_tables(meta, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
