@@ -254,8 +254,7 @@ def drain_pool() -> list[str]:
 def close_pool() -> None:
     """A graceful stop (``ray.kill`` skips the exit finaliser): what the pool does at exit,
     now — unlink idle and received segments, leave unreceived ones to their receiver."""
-    with _POOL_LOCK:
-        pool = _POOL
+    pool = _POOL.peek()
     if pool is not None:
         pool.shutdown()
 
