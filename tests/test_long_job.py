@@ -51,7 +51,7 @@ def test_long_paper_summary_is_map_reduced_other_tasks_truncated(reference):
     by = {(r["source"].rsplit("/", 1)[-1], r["task"]): r for r in rows}
     s = by[(LONG, "summary")]
     assert s["long_input_policy"] == "chunk" and s["chunks"] >= 4 and s["truncated"] is False
-    assert s["doc_tokens"] > 10_000 and s["output"]
+    assert s["doc_tokens"] > 4 * 2048 and s["output"]  # 9.3K tokens as the connector reads it
     for task in ("keywords", "question"):
         r = by[(LONG, task)]
         assert r["long_input_policy"] == "truncate" and r["truncated"] and r["kept_tokens"] < r["doc_tokens"]
