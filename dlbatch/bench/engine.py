@@ -291,6 +291,19 @@ def theirs_decode(model, batch: int, ctx: int, n_out: int, kv_mode: str, seed: i
 
 
 # ---------------------------------------------------------------------------- run
+def step_overhead(llm) -> dict:
+    """The "step overhead" line: per-step host work with a no-op model, against the old
+    list-based prepare measured in the same run (dlbatch/bench/step_overhead.py)."""
+    from dlbatch.bench.step_overhead import measure as measure_step
+
+    so = measure_step(llm.engine.model, llm.engine.mconf)
+    print(f"  step overhead (batch {so['batch']} x {so['context']} ctx, no-op model): metadata "
+          f"{so['new_meta_s'] * 1e3:.2f} ms (list-based before: {so['legacy_meta_s'] * 1e3:.2f} ms), "
+          f"decode step {so['new_step_s'] * 1e3:.2f} ms (before: {so['legacy_step_s'] * 1e3:.2f} ms), of which "
+          f"sampling {so['sample_s'] * 1e3:.2f} ms: host time {so['new_host_s'] * 1e3:.2f} ms", flush=True)
+    return so
+
+
 def run(args) -> int:
     import torch
 
@@ -416,14 +429,7 @@ def run(args) -> int:
             print(f"  decode batch {b}: ours {row['ours_tokens_per_s']:.1f} tok/s, theirs "
                   f"{row.get('theirs_tokens_per_s') or 0:.1f} tok/s", flush=True)
         result["decode"] = decode
-        from dlbatch.bench.step_overhead import measure as measure_step
-
-        so = measure_step(llm.engine.model, llm.engine.mconf)
-        result["step_overhead"] = so
-        print(f"  step overhead (batch {so['batch']} x {so['context']} ctx, no-op model): metadata "
-              f"{so['new_meta_s'] * 1e3:.2f} ms (list-based before: {so['legacy_meta_s'] * 1e3:.2f} ms), "
-              f"decode step {so['new_step_s'] * 1e3:.2f} ms (before: {so['legacy_step_s'] * 1e3:.2f} ms), of which "
-              f"sampling {so['sample_s'] * 1e3:.2f} ms: host time {so['new_host_s'] * 1e3:.2f} ms", flush=True)
+        so = result["step_overhead"] = step_overhead(llm)
         # limits again after the workload; keep the best (other jobs share this machine)
         lim = limits.merge_best(lim, limits.measure(sorted({args.dtype, ours_dtype, base_dtype}), device, quick=quick))
         result["limits"] = lim
