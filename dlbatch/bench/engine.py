@@ -291,6 +291,19 @@ def theirs_decode(model, batch: int, ctx: int, n_out: int, kv_mode: str, seed: i
 
 
 # ---------------------------------------------------------------------------- run
+def roofline_fractions(prefill: list[dict], decode: list[dict], lim: dict, ours_dtype: str, requested: str) -> None:
+    """Each row's fraction of the machine's limits measured in the same run: prefill of the
+    matmul peak (of the dtype ours computes in, and of the requested one), decode of the
+    copy bandwidth."""
+    peak_ours, bw = lim["matmul"][ours_dtype]["flops"], lim["copy"]["copy_GBps"] * 1e9
+    peak_req = lim["matmul"][requested]["flops"]
+    for row in prefill:
+        row["ours_frac_peak"] = row["ours_flops_per_s"] / peak_ours
+        row["ours_frac_peak_requested_dtype"] = row["ours_flops_per_s"] / peak_req
+    for row in decode:
+        row["ours_frac_bw"] = row["ours_bytes_per_s"] / bw
+
+
 def step_overhead(llm) -> dict:
     """The "step overhead" line: per-step host work with a no-op model, against the old
     list-based prepare measured in the same run (dlbatch/bench/step_overhead.py)."""
@@ -433,13 +446,7 @@ def run(args) -> int:
         # limits again after the workload; keep the best (other jobs share this machine)
         lim = limits.merge_best(lim, limits.measure(sorted({args.dtype, ours_dtype, base_dtype}), device, quick=quick))
         result["limits"] = lim
-        peak_ours, bw = lim["matmul"][ours_dtype]["flops"], lim["copy"]["copy_GBps"] * 1e9
-        peak_req = lim["matmul"][args.dtype]["flops"]
-        for row in prefill:
-            row["ours_frac_peak"] = row["ours_flops_per_s"] / peak_ours
-            row["ours_frac_peak_requested_dtype"] = row["ours_flops_per_s"] / peak_req
-        for row in decode:
-            row["ours_frac_bw"] = row["ours_bytes_per_s"] / bw
+        roofline_fractions(prefill, decode, lim, ours_dtype, args.dtype)
         result["targets"] = targets(prefill, decode, lim, args.dtype, cuda) + step_targets(so, cuda)
         return finish_bench(result, render, args.json)
     finally:
