@@ -3,8 +3,26 @@ document (the document first, so the tasks share it as prefix) -> tokenized requ
 
 read (list files) -> parse (flat_map, CPU) -> prompts + tokenize (map_batches, CPU);
 generation and writing are driven by `dlbatch.runner` on the worker pools of the plan.
+
+Start-up. Parse and prompts run fused in the prompt actors: the prompt stage takes whole
+blocks (``batch_size=None``), which lets Ray Data fuse the row-count-changing flat_map into
+it (a fixed batch size forbids that fusion). So the data plane costs one Python process
+per prompt actor instead of one per parse task (on 2 cores, eight parse processes starting
+beside the model load delayed everything), and a block (one input file when there are few)
+flows to the driver as soon as it is parsed and tokenized, not once eight are. The actor
+pool autoscales from one actor up to one per ``CPUS_PER_PROMPT_ACTOR`` logical CPUs of the
+cluster (``parse_concurrency`` at least), so large clusters still parse in parallel.
 """
 from __future__ import annotations
+
+CPUS_PER_PROMPT_ACTOR = 8  # a local run declares 8 logical CPUs on 2 cores (dlbatch.session): one actor
+MAX_BLOCKS = 64
+
+
+def prompt_actors(cluster_cpus: float, parse_concurrency: int = 1) -> tuple[int, int]:
+    """(min, max) prompt actors for a cluster with this many logical CPUs."""
+    top = max(1, int(parse_concurrency), int(cluster_cpus // CPUS_PER_PROMPT_ACTOR))
+    return 1, top
 
 
 def build(spec, files: list[str], skip_doc_ids: set[str], parse_concurrency: int = 1):
@@ -13,14 +31,15 @@ def build(spec, files: list[str], skip_doc_ids: set[str], parse_concurrency: int
     from dlbatch.stages import PromptStage, parse_file
 
     inp = spec.input
-    ds = ray.data.from_items([{"url": f} for f in files], override_num_blocks=max(1, min(len(files), 64)))
+    ds = ray.data.from_items([{"url": f} for f in files], override_num_blocks=max(1, min(len(files), MAX_BLOCKS)))
     ds = ds.flat_map(parse_file, fn_kwargs=dict(fmt=inp.format, text_field=inp.text_field, id_field=inp.id_field,
                                                 storage_options=dict(inp.storage_options), max_pages=inp.max_pages),
                      num_cpus=0.25)
     if inp.limit is not None and inp.format not in ("pdf", "text"):
         ds = ds.limit(inp.limit)
+    lo, hi = prompt_actors(ray.cluster_resources().get("CPU", 1.0), parse_concurrency)
     ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec_dict=spec.to_dict(),
                                                                 skip_doc_ids=sorted(skip_doc_ids),
                                                                 map_reduce=True),
-                        batch_size=8, batch_format="pyarrow", concurrency=parse_concurrency, num_cpus=0.25)
+                        batch_size=None, batch_format="pyarrow", concurrency=(lo, hi), num_cpus=0.25)
     return ds
