@@ -266,7 +266,7 @@ def read_result(path: str, returncode: int, stderr: str, backend: str) -> dict:
     if not isinstance(outs, list) or not all(isinstance(o, list) for o in outs) or \
             not isinstance(res.get("wall_s"), (int, float)):
         return {"backend": backend, "error": f"malformed result (keys {sorted(res)})"}
-    return res
+    return {**res, "stderr_tail": _tail(stderr, 2000)}
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
@@ -322,7 +322,7 @@ def run_peers(pythons: list[str], model: str, prompts: list[list[int]], max_toke
                 col["skipped"] = res["error"]
             else:
                 col.update(version=res["version"], load_s=res["load_s"], warmup_s=res.get("warmup_s"),
-                           wall_s=res["wall_s"], settings=res.get("settings"),
+                           wall_s=res["wall_s"], settings=res.get("settings"), stderr_tail=res.get("stderr_tail"),
                            agreement=agreement(ours_out, res["outputs"]))
             print(f"  {PEER_NAMES[b]}: " + (f"skipped: {col['skipped']}" if "skipped" in col
                                               else f"{col['wall_s']:.1f}s"), flush=True)
