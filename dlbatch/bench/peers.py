@@ -222,9 +222,14 @@ def detect_peer(python: str) -> tuple[list[str], str | None]:
 
 
 def peer_env() -> dict:
-    """The peer's environment: ours without PYTHONPATH (the peer must not see dlbatch)."""
+    """The peer's environment: ours without PYTHONPATH (the peer must not see dlbatch).
+    vLLM's CPU default (`VLLM_CPU_OMP_THREADS_BIND=auto`) keeps one core per worker for
+    its scheduler process, which on a small machine halves its compute; unless the user
+    set it, the peer's OpenMP threads are bound to every CPU this process may use, its
+    fastest setting measured here (docs/benchmarks.md)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
     return env
 
 
