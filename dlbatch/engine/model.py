@@ -119,22 +119,23 @@ class Transformer:
             L = Layer()
             L.in_norm = w(p + "input_layernorm.weight")
             L.post_norm = w(p + "post_attention_layernorm.weight")
-            L.qkv_w = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                 w(p + "self_attn.v_proj.weight")], 0).contiguous()
+            L.qkv_w = ops.pack_linear(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                                 w(p + "self_attn.v_proj.weight")], 0).contiguous())
             L.qkv_b = (torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
                                   w(p + "self_attn.v_proj.bias")], 0) if c.qkv_bias else None)
-            L.o_w = w(p + "self_attn.o_proj.weight")
+            L.o_w = ops.pack_linear(w(p + "self_attn.o_proj.weight"))
             L.o_b = w(p + "self_attn.o_proj.bias") if c.o_bias else None
             L.q_norm = w(p + "self_attn.q_norm.weight") if c.qk_norm else None
             L.k_norm = w(p + "self_attn.k_norm.weight") if c.qk_norm else None
-            L.gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0).contiguous()
-            L.down_w = w(p + "mlp.down_proj.weight")
+            L.gate_up_w = ops.pack_linear(
+                torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0).contiguous())
+            L.down_w = ops.pack_linear(w(p + "mlp.down_proj.weight"))
             self.layers.append(L)
         self.norm = w("model.norm.weight")
-        if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = w("lm_head.weight")
+        tied = c.tie_word_embeddings or "lm_head.weight" not in weights
+        # a packed LM head is a second copy of a tied embedding (the lookup needs the plain one)
+        self.tied = tied
+        self.lm_head = ops.pack_linear(self.embed if tied else w("lm_head.weight"))
         inv = rope_inv_freq(c, max_len)
         pos = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
@@ -144,7 +145,7 @@ class Transformer:
         self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        tensors = [self.lm_head, self.norm] + ([] if self.tied else [self.embed])
         for L in self.layers:
             tensors += [t for t in (L.in_norm, L.post_norm, L.qkv_w, L.qkv_b, L.o_w, L.o_b, L.q_norm, L.k_norm,
                                     L.gate_up_w, L.down_w) if t is not None]
@@ -168,7 +169,7 @@ class Transformer:
                 x = ops.rms_norm(h, L.in_norm, c.rms_norm_eps)
             else:
                 x, h = ops.add_rms_norm(delta, h, L.in_norm, c.rms_norm_eps)
-            qkv = F.linear(x, L.qkv_w, L.qkv_b)
+            qkv = ops.linear(x, L.qkv_w, L.qkv_b)
             q = qkv[:, :qs].view(T, c.num_heads, c.head_dim)
             k = qkv[:, qs:qs + ks].view(T, c.num_kv_heads, c.head_dim)
             v = qkv[:, qs + ks:].view(T, c.num_kv_heads, c.head_dim)
@@ -186,10 +187,10 @@ class Transformer:
             else:
                 attn = torch.cat([ops.prefill_attention(q[:tp], k[:tp], v[:tp], k_cache, v_cache, meta),
                                   ops.paged_decode_attention(q[tp:], k_cache, v_cache, meta)], 0)
-            x, h = ops.add_rms_norm(F.linear(attn.reshape(T, qs), L.o_w, L.o_b), h, L.post_norm, c.rms_norm_eps)
-            delta = F.linear(ops.silu_and_mul(F.linear(x, L.gate_up_w)), L.down_w)
+            x, h = ops.add_rms_norm(ops.linear(attn.reshape(T, qs), L.o_w, L.o_b), h, L.post_norm, c.rms_norm_eps)
+            delta = ops.linear(ops.silu_and_mul(ops.linear(x, L.gate_up_w)), L.down_w)
         if delta is not None:
             h = h + delta
         h = h.index_select(0, logits_indices)
         h = ops.rms_norm(h, self.norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return ops.linear(h, self.lm_head).float()

@@ -12,6 +12,19 @@ import torch.nn.functional as F
 from dlbatch.engine.ops.registry import register_op
 
 
+@register_op("pack_linear")
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A (out, in) weight in the layout the device's ``linear`` reads fastest; done once at
+    load. The reference keeps the plain tensor."""
+    return weight
+
+
+@register_op("linear")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, ``weight`` as returned by ``pack_linear``."""
+    return F.linear(x, weight, bias)
+
+
 @register_op("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype

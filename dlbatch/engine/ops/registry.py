@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 OP_NAMES = (
+    "pack_linear",
+    "linear",
     "rms_norm",
     "add_rms_norm",
     "rotary",
@@ -53,6 +55,8 @@ def _load_builtin() -> None:
 @dataclass(frozen=True)
 class Ops:
     device_type: str
+    pack_linear: Callable
+    linear: Callable
     rms_norm: Callable
     add_rms_norm: Callable
     rotary: Callable

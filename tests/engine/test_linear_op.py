@@ -1,0 +1,34 @@
+"""The CPU linear op: weights packed once for oneDNN give F.linear's result at every batch
+size a step can have (decode rows, prefill chunks), with and without bias."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dlbatch.engine.ops import get_ops
+
+
+@pytest.mark.parametrize("rows", [1, 7, 24, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, with_bias):
+    ops = get_ops("cpu")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if with_bias else None
+    x = torch.randn(rows, 64, generator=g)
+    packed = ops.pack_linear(w)
+    if torch.backends.mkldnn.is_available():
+        assert packed.is_mkldnn
+    torch.testing.assert_close(ops.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    x3 = x.view(1, rows, 64)
+    assert ops.linear(x3, packed, b).shape == (1, rows, 96)
+
+
+def test_pack_linear_keeps_plain_weights_when_disabled_or_not_float32(monkeypatch):
+    ops = get_ops("cpu")
+    w16 = torch.randn(8, 4).to(torch.bfloat16)
+    assert ops.pack_linear(w16) is w16
+    monkeypatch.setenv("DLBATCH_ONEDNN", "0")
+    w = torch.randn(8, 4)
+    assert ops.pack_linear(w) is w
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(ops.linear(x, w), F.linear(x, w))
