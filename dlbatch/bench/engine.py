@@ -331,7 +331,6 @@ def run(args) -> int:
     import torch
 
     from dlbatch.engine.llm import LLM
-    from dlbatch.engine.sampling_params import SamplingParams
 
     from dlbatch.bench import limits
 
@@ -407,51 +406,10 @@ def run(args) -> int:
 
         g = torch.Generator().manual_seed(1234)
 
-        # ---- prefill
-        prefill = []
-        for n in prefill_lens:
-            prompts = [torch.randint(3, vocab_hi, (n,), generator=g).tolist() for _ in range(repeats + 1)]
-            it = iter(prompts)
-            sp = SamplingParams(max_tokens=1, ignore_eos=True)
-            ts = time_repeats(lambda: llm.generate([next(it)], sp), repeats, device, warmup=1, budget_s=args.budget_s)
-            row = {"tokens": n, "ours_s": median(ts), "ours_repeats": len(ts), "ours_tokens_per_s": n / median(ts)}
-            fl = prefill_flops(cnt, n)
-            row["flops"] = fl
-            row["ours_flops_per_s"] = fl / row["ours_s"]
-            row["ours_frac_peak"] = row["ours_flops_per_s"] / peak_ours
-            row["ours_frac_peak_requested_dtype"] = row["ours_flops_per_s"] / peak_req
-            if theirs is not None:
-                it2 = iter(prompts)
-                ts2 = time_repeats(lambda: theirs_prefill(theirs, next(it2), device), repeats, device, warmup=1,
-                                   budget_s=args.budget_s)
-                row.update(theirs_s=median(ts2), theirs_repeats=len(ts2), theirs_tokens_per_s=n / median(ts2))
-            row["ratio"] = ratio(row["ours_tokens_per_s"], row.get("theirs_tokens_per_s"))
-            prefill.append(row)
-            print(f"  prefill {n}: ours {row['ours_tokens_per_s']:.0f} tok/s, theirs "
-                  f"{row.get('theirs_tokens_per_s') or 0:.0f} tok/s", flush=True)
-        result["prefill"] = prefill
-
-        # ---- decode
-        decode = []
-        for b in batches:
-            o = ours_decode(llm, b, ctx, n_out, args.decode_kv, seed=100 + b, vocab_hi=vocab_hi)
-            row = {"batch": b, "context": ctx, "new_tokens": n_out, "kv_mode": args.decode_kv,
-                   "ours_tokens_per_s": o["tokens_per_s"], "ours_step_s": o["step_s"], "ours_steps": o["steps"],
-                   "ours_tokens_per_s_mean": o["tokens_per_s_mean"]}
-            by = decode_bytes(cnt, b, ctx + n_out / 2)
-            row["bytes_per_step"] = by
-            row["ours_bytes_per_s"] = by / o["step_s"]
-            row["ours_frac_bw"] = row["ours_bytes_per_s"] / bw
-            if theirs is not None:
-                t = theirs_decode(theirs, b, ctx, n_out, args.decode_kv, seed=100 + b, vocab_hi=vocab_hi,
-                                  device=device)
-                row.update(theirs_tokens_per_s=t["tokens_per_s"], theirs_step_s=t["step_s"],
-                           theirs_steps=t["steps"], theirs_tokens_per_s_mean=t["tokens_per_s_mean"])
-            row["ratio"] = ratio(row["ours_tokens_per_s"], row.get("theirs_tokens_per_s"))
-            decode.append(row)
-            print(f"  decode batch {b}: ours {row['ours_tokens_per_s']:.1f} tok/s, theirs "
-                  f"{row.get('theirs_tokens_per_s') or 0:.1f} tok/s", flush=True)
-        result["decode"] = decode
+        prefill = result["prefill"] = prefill_rows(llm, theirs, cnt, prefill_lens, g, repeats, device, args.budget_s,
+                                                   vocab_hi, peak_ours, peak_req)
+        decode = result["decode"] = decode_rows(llm, theirs, cnt, batches, ctx, n_out, args.decode_kv, device,
+                                                vocab_hi, bw)
         so = result["step_overhead"] = step_overhead(llm)
         # limits again after the workload; keep the best (other jobs share this machine)
         lim = limits.merge_best(lim, limits.measure(sorted({args.dtype, ours_dtype, base_dtype}), device, quick=quick))
@@ -461,6 +419,62 @@ def run(args) -> int:
         return finish_bench(result, render, args.json)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prefill_rows(llm, theirs, cnt: dict, prefill_lens: list[int], g, repeats: int, device: str, budget_s,
+                 vocab_hi: int, peak_ours: float, peak_req: float) -> list[dict]:
+    """Prefill of each length, ours and (when loaded) transformers, on the same random prompts."""
+    import torch
+
+    from dlbatch.engine.sampling_params import SamplingParams
+
+    prefill = []
+    for n in prefill_lens:
+        prompts = [torch.randint(3, vocab_hi, (n,), generator=g).tolist() for _ in range(repeats + 1)]
+        it = iter(prompts)
+        sp = SamplingParams(max_tokens=1, ignore_eos=True)
+        ts = time_repeats(lambda: llm.generate([next(it)], sp), repeats, device, warmup=1, budget_s=budget_s)
+        row = {"tokens": n, "ours_s": median(ts), "ours_repeats": len(ts), "ours_tokens_per_s": n / median(ts)}
+        fl = prefill_flops(cnt, n)
+        row["flops"] = fl
+        row["ours_flops_per_s"] = fl / row["ours_s"]
+        row["ours_frac_peak"] = row["ours_flops_per_s"] / peak_ours
+        row["ours_frac_peak_requested_dtype"] = row["ours_flops_per_s"] / peak_req
+        if theirs is not None:
+            it2 = iter(prompts)
+            ts2 = time_repeats(lambda: theirs_prefill(theirs, next(it2), device), repeats, device, warmup=1,
+                               budget_s=budget_s)
+            row.update(theirs_s=median(ts2), theirs_repeats=len(ts2), theirs_tokens_per_s=n / median(ts2))
+        row["ratio"] = ratio(row["ours_tokens_per_s"], row.get("theirs_tokens_per_s"))
+        prefill.append(row)
+        print(f"  prefill {n}: ours {row['ours_tokens_per_s']:.0f} tok/s, theirs "
+              f"{row.get('theirs_tokens_per_s') or 0:.0f} tok/s", flush=True)
+    return prefill
+
+
+def decode_rows(llm, theirs, cnt: dict, batches: list[int], ctx: int, n_out: int, kv_mode: str, device: str,
+                vocab_hi: int, bw: float) -> list[dict]:
+    """Steady-state decode at each batch size, ours and (when loaded) transformers."""
+    decode = []
+    for b in batches:
+        o = ours_decode(llm, b, ctx, n_out, kv_mode, seed=100 + b, vocab_hi=vocab_hi)
+        row = {"batch": b, "context": ctx, "new_tokens": n_out, "kv_mode": kv_mode,
+               "ours_tokens_per_s": o["tokens_per_s"], "ours_step_s": o["step_s"], "ours_steps": o["steps"],
+               "ours_tokens_per_s_mean": o["tokens_per_s_mean"]}
+        by = decode_bytes(cnt, b, ctx + n_out / 2)
+        row["bytes_per_step"] = by
+        row["ours_bytes_per_s"] = by / o["step_s"]
+        row["ours_frac_bw"] = row["ours_bytes_per_s"] / bw
+        if theirs is not None:
+            t = theirs_decode(theirs, b, ctx, n_out, kv_mode, seed=100 + b, vocab_hi=vocab_hi,
+                              device=device)
+            row.update(theirs_tokens_per_s=t["tokens_per_s"], theirs_step_s=t["step_s"],
+                       theirs_steps=t["steps"], theirs_tokens_per_s_mean=t["tokens_per_s_mean"])
+        row["ratio"] = ratio(row["ours_tokens_per_s"], row.get("theirs_tokens_per_s"))
+        decode.append(row)
+        print(f"  decode batch {b}: ours {row['ours_tokens_per_s']:.1f} tok/s, theirs "
+              f"{row.get('theirs_tokens_per_s') or 0:.1f} tok/s", flush=True)
+    return decode
 
 
 def targets(prefill: list, decode: list, lim: dict, dtype: str, cuda: bool) -> list[dict]:
