@@ -64,8 +64,8 @@ def _ratio(a: float, b: float) -> float:
 
 def run(args) -> int:
     from dlbatch.jobspec import load_job
-    from dlbatch.solver import (ModelSpec, Workload, catalog_profiles, compare_heterogeneous, format_comparison,
-                                format_plan, format_simulation, load_profile, simulate, solve)
+    from dlbatch.solver import (ModelSpec, catalog_profiles, format_plan, format_simulation, load_profile, simulate,
+                                solve)
     from dlbatch.solver.job_workload import job_workload
     from dlbatch.solver.profiler import format_profile, profile_device, save_profile_result
 
@@ -153,7 +153,20 @@ def run(args) -> int:
               f"output tokens; prefix cache hits {measured['prefix_hit_tokens']:,} tokens; worker busy "
               f"{100 * measured['busy_fraction_of_drive']:.0f}% of the loop")
 
-    # summary ------------------------------------------------------------------------------------
+    _summary(spec, wl, K, plan, sim, measured, figures)
+
+    m8 = ModelSpec.llama3_8b()
+    cat = catalog_profiles(m8)
+    figures["catalog_comparison"] = _catalog_comparison(m8, cat, args.budget)
+    if not args.skip_scale:
+        print()
+        figures["scale"] = _scale(m8, cat, args.scale_docs)
+    write_json(args.json, figures)
+    return 0
+
+
+def _summary(spec, wl, K: int, plan, sim, measured: dict | None, figures: dict) -> None:
+    """Plan prediction, simulation and (when run) the measured job side by side, with ratios."""
     print()
     print("[summary] tokens/s (prompt + output), this machine, job "
           f"{spec.name!r} ({wl.n_docs} documents x {K} tasks)")
@@ -174,22 +187,19 @@ def run(args) -> int:
         figures["ratios"] = {"measured_over_plan": r_plan, "measured_over_sim": r_sim,
                              "sim_over_plan": _ratio(simv, pred), "within_25pct": ok}
 
-    # catalog comparison -------------------------------------------------------------------------
+
+def _catalog_comparison(m8, cat: dict, budget: float) -> dict:
+    """Heterogeneous vs best single chip type on the catalog profiles, at an equal budget."""
+    from dlbatch.solver import Workload, compare_heterogeneous, format_comparison
+
     print()
     print("[5] catalog: heterogeneous vs best single chip type, paper mix (Llama-3-8B), equal budget")
-    m8 = ModelSpec.llama3_8b()
     paper = Workload.paper(100_000)
-    cat = catalog_profiles(m8)
     avail = {"h100_sxm": 16, "l40s": 32, "a100_80gb": 16, "l4": 64, "mi300x": 8}
-    print(f"availability {avail}, budget ${args.budget:,.2f}/h, workload {paper.summary()}")
-    cmp = compare_heterogeneous({k: cat[k] for k in avail}, avail, m8, paper, budget_per_hour=args.budget)
+    print(f"availability {avail}, budget ${budget:,.2f}/h, workload {paper.summary()}")
+    cmp = compare_heterogeneous({k: cat[k] for k in avail}, avail, m8, paper, budget_per_hour=budget)
     print(format_comparison(cmp))
-    figures["catalog_comparison"] = cmp.to_dict()
-    if not args.skip_scale:
-        print()
-        figures["scale"] = _scale(m8, cat, args.scale_docs)
-    write_json(args.json, figures)
-    return 0
+    return cmp.to_dict()
 
 
 def _scale(model, cat: dict, n_docs: int) -> dict:
