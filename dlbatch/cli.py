@@ -84,5 +84,28 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID
 
 
+def entry() -> None:
+    """The `dlbatch` command: run main, then leave without the interpreter's teardown.
+
+    Native thread pools loaded along the way (Arrow's, behind every parquet read) can abort
+    the process while the interpreter tears itself down: `std::terminate` on a thread still
+    joinable (apache/arrow#34314), so a job that finished and committed everything would exit
+    -6. By the time main returns, output is committed and the local Ray (if we started one)
+    is shut down; what is left to do is disconnect from a cluster and flush, done here."""
+    import logging
+    import os
+
+    rc = main()
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
