@@ -379,6 +379,32 @@ def test_shared_system_prompt_group_is_split_for_balance():
     assert router.stats.prefill_tokens_computed_estimate <= group.computed_tokens() + (n - 1) * len(sys_prompt)
 
 
+def test_worker_runs_shortest_document_first_and_keeps_documents_together():
+    """On one worker, a window runs cheapest group first (the first token comes after the
+    shortest paper's prefill, not the longest's), and a document's tasks stay adjacent,
+    so each prefix is still computed once."""
+    rng = random.Random(5)
+    lengths = [3900, 1000, 2500, 1200]  # arrival order: the longest first
+    reqs = []
+    for p, n in enumerate(lengths):
+        doc = toks(rng, n)
+        reqs += [Request(f"p{p}t{t}", tuple(doc + [60_000 + t] * 24), 64) for t in range(3)]
+    (per,) = assign_prefill(group_requests(reqs, BS), 1)
+    docs = [r.request_id[:2] for r in per]
+    assert docs == ["p1"] * 3 + ["p3"] * 3 + ["p2"] * 3 + ["p0"] * 3
+
+    # a group split across workers: each worker's pieces stay together, in depth-first order
+    sys_prompt = toks(rng, 64 * BS)
+    shared = [Request(f"j{i}", tuple(sys_prompt + toks(rng, 200 + 50 * i)), 8) for i in range(12)]
+    small = [Request("s0", tuple(toks(rng, 100)), 8)]
+    routed = Router(2).route(shared + small)
+    depth_first = [r.request_id for g in group_requests(shared, BS) for r in g.requests]
+    for lst in routed:
+        ids = [r.request_id for r in lst if r.request_id != "s0"]
+        assert ids == [i for i in depth_first if i in ids]
+    assert any(lst and lst[0].request_id == "s0" for lst in routed)  # the cheap one goes first where it lands
+
+
 def test_worker_loads_and_validation():
     reqs = [Request(f"r{i}", tuple(range(i, i + 300)), 8) for i in range(40)]
     per = assign_prefill(reqs, 2, "prefix_aware", worker_loads=[5000.0, 0.0])

@@ -215,6 +215,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     admission: str = "reserve"  # reserve (prompt+max_tokens blocks up front) | greedy (recompute-preemption)
+    schedule: str = "shortest_first"  # admission order: shortest_first (with aging) | fcfs (engine/scheduler.py)
     allow_upcast: bool = True  # CPU without native bf16/fp16 matmul: compute in fp32 (see engine/device.py)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (engine/cuda_graph.py)
     kv_cache_dtype: str = "auto"  # auto: the compute dtype; float16/bfloat16 halve the KV bytes of an fp32 model
@@ -232,5 +233,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        if self.schedule not in ("shortest_first", "fcfs"):
+            raise ValueError(f"schedule {self.schedule!r} is not one of shortest_first, fcfs")
         if self.admission not in ("reserve", "greedy"):
             raise ValueError(f"admission {self.admission!r} is not one of reserve, greedy")

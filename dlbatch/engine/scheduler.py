@@ -5,9 +5,16 @@ prompts still being prefilled, then new sequences are admitted while blocks and 
 last. Admission reserves `prompt + max_tokens` blocks (batch jobs know max_tokens), so a
 running sequence never runs out; with admission="greedy" blocks are taken on demand and
 the newest running sequence is preempted (freed, recomputed later) when they run out.
+
+Admission order (`schedule`): fcfs, or shortest_first (the default): the waiting prompt
+with the fewest tokens to compute goes first, so a worker handed a long paper and a short
+one returns the short one first: the first token, and the first finished documents, come
+after the shortest prefill instead of behind the longest. Total work is unchanged. Aging
+bounds the wait of a long prompt (see `_next_waiting`), and a preempted sequence goes first.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,6 +44,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    AGING = 4  # shortest_first: a prompt waits at most ~AGING x its length of shorter ones
+    LOOKAHEAD = 256  # shortest_first picks among the oldest LOOKAHEAD waiting (bounded cost per admission)
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
         self.bm = block_manager
@@ -44,6 +53,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.admitted_tokens = 0  # prompt tokens of every sequence admitted so far (aging clock)
         self.on_admit = None  # engine hook: runs after a sequence gets its blocks (KV import)
 
     # ---- queue ------------------------------------------------------------------------
@@ -56,6 +66,7 @@ class Scheduler:
                 f"({self.bm.num_blocks * self.bm.block_size} tokens); raise kv_cache_memory"
             )
         seq.status = SeqStatus.WAITING
+        seq.wait_mark = self.admitted_tokens
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -84,13 +95,14 @@ class Scheduler:
         # admit new sequences (never while someone was just preempted: they go first)
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             if self.bm.prefix_pending(seq):  # its prefix is being computed: hit it next step
-                deferred.append(self.waiting.popleft())
+                deferred.append(self._take(seq))
                 continue
             if not self.bm.can_allocate(seq, self.reserve):
                 break
-            self.waiting.popleft()
+            self._take(seq)
+            self.admitted_tokens += len(seq.prompt_ids)
             self.bm.allocate(seq, self.reserve)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -104,6 +116,30 @@ class Scheduler:
         for seq in reversed(deferred):
             self.waiting.appendleft(seq)
         return out
+
+    def _take(self, seq: Sequence) -> Sequence:
+        if self.waiting[0] is seq:
+            return self.waiting.popleft()
+        del self.waiting[next(i for i, s in enumerate(self.waiting) if s is seq)]
+        return seq
+
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next: the head (fcfs), or the one with the fewest
+        prompt tokens among the oldest LOOKAHEAD (shortest_first), except that a sequence preempted earlier, or one that
+        has watched more than `AGING` times its own prompt length of later, shorter prompts
+        go first, takes its turn in arrival order (nothing starves)."""
+        if self.config.schedule == "fcfs" or len(self.waiting) == 1:
+            return self.waiting[0]
+        best, best_key = None, None
+        for pos, seq in enumerate(itertools.islice(self.waiting, self.LOOKAHEAD)):
+            overdue = seq.num_preemptions > 0 or \
+                self.admitted_tokens - seq.wait_mark > self.AGING * len(seq.prompt_ids)
+            key = (0, pos) if overdue else (1, len(seq.prompt_ids) - seq.num_computed, pos)
+            if best_key is None or key < best_key:
+                best, best_key = seq, key
+                if overdue:
+                    break
+        return best
 
     def _grow(self, seq: Sequence, n: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
         """Ensure blocks for `n` more tokens of `seq`, preempting newer unscheduled

@@ -33,6 +33,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    wait_mark: int = 0  # the scheduler's admitted-token count when this sequence started waiting
     generator: object = None  # torch.Generator for seeded sampling
     stop_text_len: int = 0  # characters of decoded text already checked for stop strings
     text: str | None = None

@@ -7,6 +7,12 @@ each on the worker where it finishes first counting what that worker already cac
 points; pieces that land on the same worker run next to each other, so the prefix is
 computed once per worker that receives a piece.
 
+Order on a worker: groups whose prefix it still caches first (before they are evicted),
+then cheapest group first (shortest job first: the first token and the first finished
+documents of a window come as early as they can, and long documents do not hold up
+short ones; the total work is the same). Pieces of a split group keep their group's
+place and their depth-first order, so they stay next to each other.
+
 Guarantee (no sharing, or when affinity does not change a unit's cost): this is LPT, so
 max load <= (4/3 - 1/(3n)) x the optimal max load for the same units, and
 max load <= mean load + (1 - 1/n) x the largest unit's cost. The largest unit is a
@@ -15,6 +21,7 @@ cannot be split (one request).
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence, Union
@@ -139,6 +146,8 @@ def _prefix_aware(groups: list[Group], n: int, cfg: RouterConfig, loads: list[fl
     for g in groups:
         units.append((pos, g))
         pos += len(g)
+    starts = [p for p, _ in units]  # a piece of a split group runs in its group's slot
+    origin_cost = [g.cost(alpha) for g in groups]
     window_mean = sum(g.cost(alpha) for g in groups) / n
     units = _split_large(units, cfg.split_fraction * window_mean, alpha)
     # largest first; ties by depth-first position (deterministic)
@@ -167,11 +176,11 @@ def _prefix_aware(groups: list[Group], n: int, cfg: RouterConfig, loads: list[fl
         loads[w] += c
         for r in g.requests:
             sent[w].update(r.block_hashes(g.block_size))
-        placed[w].append((0 if persistent else 1, p, g))
+        placed[w].append((0 if persistent else 1, origin_cost[bisect.bisect_right(starts, p) - 1], p, g))
     out: list[list[Request]] = []
     for lst in placed:
-        lst.sort(key=lambda t: (t[0], t[1]))
-        out.append([r for _, _, g in lst for r in g.requests])
+        lst.sort(key=lambda t: t[:3])
+        out.append([r for *_, g in lst for r in g.requests])
     return out
 
 

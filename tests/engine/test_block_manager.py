@@ -107,9 +107,9 @@ def test_hash_collision_is_verified():
     assert b.num_cached == 0
 
 
-def _sched(num_blocks=32, block_size=4, budget=16, admission="reserve", max_seqs=8):
+def _sched(num_blocks=32, block_size=4, budget=16, admission="reserve", max_seqs=8, schedule="shortest_first"):
     cfg = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, admission=admission,
-                       max_num_seqs=max_seqs, max_model_len=64)
+                       max_num_seqs=max_seqs, max_model_len=64, schedule=schedule)
     bm = BlockManager(num_blocks, block_size)
     return Scheduler(cfg, bm), bm
 
@@ -195,4 +195,47 @@ def test_shared_prefix_waits_for_the_first_and_hits():
     out = sched.schedule()
     assert "2" in [s.seq.seq_id for s in out.scheduled]
     assert b.num_cached == 12
+    bm.check_invariants()
+
+
+def _admission_order(sched, seqs) -> list[str]:
+    """Seq ids in the order the scheduler first runs them (budget: one admission per step)."""
+    order: list[str] = []
+    for _ in range(200):
+        out = sched.schedule()
+        if not out.scheduled:
+            break
+        order += [s.seq.seq_id for s in out.scheduled if s.seq.seq_id not in order]
+        _fake_step(sched, out)
+    return order
+
+
+def test_shortest_prompt_is_admitted_first_fcfs_keeps_arrival_order():
+    for schedule, want in (("shortest_first", ["2", "3", "1"]), ("fcfs", ["1", "2", "3"])):
+        sched, bm = _sched(num_blocks=64, block_size=4, budget=16, max_seqs=1, schedule=schedule)
+        seqs = [seq(1, 40, max_tokens=1), seq(2, 8, max_tokens=1, base=100), seq(3, 20, max_tokens=1, base=200)]
+        for s in seqs:
+            sched.add(s)
+        assert _admission_order(sched, seqs) == want, schedule
+        bm.check_invariants()
+    with pytest.raises(ValueError, match="'sjf'"):
+        EngineConfig(schedule="sjf")
+
+
+def test_shortest_first_ages_a_long_prompt_in():
+    """A long prompt passed over by a stream of short ones gets its turn once AGING x its
+    length of prompts went ahead of it."""
+    sched, bm = _sched(num_blocks=256, block_size=4, budget=64, max_seqs=1)
+    long = seq("long", 40, max_tokens=1)
+    sched.add(long)
+    order = []
+    for i in range(200):
+        sched.add(seq(f"s{i}", 8, max_tokens=1, base=1000 + 10 * i))  # a short one arrives every step
+        out = sched.schedule()
+        order += [s.seq.seq_id for s in out.scheduled]
+        _fake_step(sched, out)
+        if "long" in order:
+            break
+    at = order.index("long")
+    assert Scheduler.AGING * 40 // 8 <= at <= Scheduler.AGING * 40 // 8 + 2
     bm.check_invariants()
