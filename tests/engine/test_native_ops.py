@@ -58,6 +58,40 @@ def test_native_matches_reference(hq, hk, d, lens, block, window):
     torch.testing.assert_close(torch_loop(q, kc, vc, meta), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_groups_shared_prefixes_bitwise_as_alone(threads, monkeypatch):
+    """Papers x tasks: sequences sharing leading blocks (given in a shuffled order, with
+    groups larger than the kernel's group size) are read together; every sequence's output
+    is bitwise what the kernel gives for it alone, and matches the reference."""
+    g = torch.Generator().manual_seed(3)
+    block, hq, hk, d = 16, 9, 3, 64
+    kc = torch.randn(400, block, hk, d, generator=g)
+    vc = torch.randn(400, block, hk, d, generator=g)
+    perm = iter(torch.randperm(400, generator=g).tolist())
+    tables, lens = [], []
+    for prefix_blocks, tasks in ((20, 3), (5, 2), (9, 11), (1, 2)):  # (1, 2): one block, too short to group
+        prefix = [next(perm) for _ in range(prefix_blocks)]
+        for t in range(tasks):
+            tables.append(prefix + [next(perm) for _ in range(2)])
+            lens.append(prefix_blocks * block + 5 + 7 * t)
+    width = max(map(len, tables))
+    tables = [t + [t[-1]] * (width - len(t)) for t in tables]  # padded with a stale id
+    order = torch.randperm(len(lens), generator=g)
+    bt = torch.tensor(tables, dtype=torch.int64)[order]
+    lens_t = torch.tensor(lens, dtype=torch.int64)[order]
+    q = torch.randn(len(lens), hq, d, generator=g)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    got = native.paged_decode(q, kc, vc, bt, lens_t)
+    alone = torch.cat([native.paged_decode(q[i:i + 1], kc, vc, bt[i:i + 1], lens_t[i:i + 1]) for i in range(len(lens))])
+    assert torch.equal(got, alone)
+    meta = Meta()
+    meta.decode_block_tables, meta.decode_lens = bt, lens_t
+    k = torch.arange(int(lens_t.max()))
+    meta.decode_gather = bt[:, k // block] * block + k % block
+    meta.decode_mask = (k[None, :] < lens_t[:, None])[:, None, None, :]
+    torch.testing.assert_close(got, reference(q, kc, vc, meta), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_native_reads_half_precision_cache(dtype):
     """A float16/bfloat16 cache is widened exactly inside the kernel: same result as the

@@ -28,10 +28,14 @@ typedef struct {
     const int64_t *block_tables, *seq_len;
     int B, Hq, Hkv, D, nb_stride, block_size, window;
     float scale;
-    int first, last; /* sequences [first, last) */
+    const int *order, *gstart;   /* group i = sequences order[gstart[i] .. gstart[i + 1]) */
+    const int64_t *gshared;      /* visible positions group i's members share (same cache rows) */
+    int first, last;             /* groups [first, last) */
     int max_len;
     int status;
 } job_t;
+
+#define GMAX 8 /* sequences per group at most (bigger runs are split) */
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -135,12 +139,131 @@ static inline __attribute__((always_inline)) v8 dot8(const v8 *q, const void *kc
 #endif
 }
 
+/* One sequence of a group: its query (scaled), scores and accumulators. */
+typedef struct {
+    v8 *qv, *acc;
+    float *scores;
+    const int64_t *tab;
+    int64_t lo, L; /* visible positions [lo, lo + L) */
+    int b;
+} member_t;
+
+/* scores of every query head of m over visible positions [c, c + n) (rows at off) */
+static inline __attribute__((always_inline)) void score_rows(const job_t *J, const member_t *m, int64_t c, int n,
+                                                             const size_t *off, size_t Lp, const int kind) {
+    const int g = J->Hq / J->Hkv, D = J->D, nv = D / 8;
+    const int n8 = n / 8 * 8;
+    for (int h = 0; h < J->Hkv; h++) {
+        for (int gi = 0; gi < g; gi++) {
+            const v8 *q = m->qv + (h * g + gi) * nv;
+            float *s = m->scores + (size_t)(h * g + gi) * Lp + c;
+            for (int t = 0; t < n8; t += 8) st(s + t, dot8(q, J->kc, off + t, (size_t)h * D, nv, kind));
+            for (int t = n8; t < n; t++) {
+                v8 a = q[0] * ldkv(J->kc, off[t] + (size_t)h * D, kind);
+                for (int j = 1; j < nv; j++) a += q[j] * ldkv(J->kc, off[t] + (size_t)h * D + 8 * j, kind);
+                s[t] = hsum(a);
+            }
+        }
+    }
+}
+
+/* every query head's weighted sum of m over the V rows of positions [c, c + n), 8 output
+ * columns at a time held in registers across the rows */
+static inline __attribute__((always_inline)) void pv_rows(const job_t *J, const member_t *m, int64_t c, int n,
+                                                          const size_t *off, size_t Lp, const int kind) {
+    const int g = J->Hq / J->Hkv, D = J->D, nv = D / 8;
+    for (int h = 0; h < J->Hkv; h++) {
+        for (int gi = 0; gi < g; gi++) {
+            const float *p = m->scores + (size_t)(h * g + gi) * Lp + c;
+            v8 *a = m->acc + (h * g + gi) * nv;
+            int j = 0;
+            for (; j + 8 <= nv; j += 8) {
+                v8 x[8];
+                for (int u = 0; u < 8; u++) x[u] = a[j + u];
+                for (int t = 0; t < n; t++) {
+                    const size_t o = off[t] + (size_t)h * D + 8 * (size_t)j;
+                    for (int u = 0; u < 8; u++) x[u] += p[t] * ldkv(J->vc, o + 8 * u, kind);
+                }
+                for (int u = 0; u < 8; u++) a[j + u] = x[u];
+            }
+            for (; j < nv; j++) {
+                v8 x = a[j];
+                for (int t = 0; t < n; t++) x += p[t] * ldkv(J->vc, off[t] + (size_t)h * D + 8 * j, kind);
+                a[j] = x;
+            }
+        }
+    }
+}
+
+static void softmax_rows(const job_t *J, const member_t *m, size_t Lp) {
+    const int64_t L = m->L, Lr = (L + 7) / 8 * 8;
+    for (int hq = 0; hq < J->Hq; hq++) {
+        float *s = m->scores + (size_t)hq * Lp;
+        float mx = s[0];
+        for (int64_t t = 1; t < L; t++) mx = s[t] > mx ? s[t] : mx;
+        for (int64_t t = L; t < Lr; t++) s[t] = -INFINITY; /* padding -> exp 0 */
+        v8 vs = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t t = 0; t < Lr; t += 8) {
+            v8 e = vexp(ld(s + t) - mx);
+            st(s + t, e);
+            vs += e;
+        }
+        const float inv = 1.f / hsum(vs);
+        for (int64_t t = 0; t < Lr; t += 8) st(s + t, ld(s + t) * inv);
+    }
+}
+
+/* A group of k sequences whose first `shared` visible positions are the same cache rows
+ * (one paper's tasks: the prefix cache gave them the same blocks). Chunks of the shared
+ * part are loaded once and used by every member while they sit in L1, so a paper's KV
+ * comes from memory once per step instead of once per task. The chunk boundaries are the
+ * same as for a sequence alone, so the result does not depend on the grouping. */
+static inline __attribute__((always_inline)) void group_body(const job_t *J, member_t *M, int k, int64_t shared,
+                                                             size_t Lp, const int kind) {
+    const size_t row = (size_t)J->Hkv * J->D;
+    const int nq = J->Hq * (J->D / 8);
+    size_t off[CH];
+    const int64_t joint = shared / CH * CH;
+    for (int i = 0; i < k; i++) {
+        const float *qb = J->q + (size_t)M[i].b * J->Hq * J->D;
+        for (int j = 0; j < nq; j++) M[i].qv[j] = ld(qb + 8 * (size_t)j) * J->scale;
+        for (int j = 0; j < nq; j++) M[i].acc[j] = (v8){0, 0, 0, 0, 0, 0, 0, 0};
+    }
+    /* pass 1: scores; the joint chunks for all members, then each member's own */
+    for (int64_t c = 0; c < joint; c += CH) {
+        chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
+        for (int i = 0; i < k; i++) score_rows(J, &M[i], c, CH, off, Lp, kind);
+    }
+    for (int i = 0; i < k; i++) {
+        for (int64_t c = joint; c < M[i].L; c += CH) {
+            const int n = (int)(M[i].L - c < CH ? M[i].L - c : CH);
+            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, n, row, off);
+            score_rows(J, &M[i], c, n, off, Lp, kind);
+        }
+        softmax_rows(J, &M[i], Lp);
+    }
+    /* pass 2: weighted sums of V, in the same order */
+    for (int64_t c = 0; c < joint; c += CH) {
+        chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
+        for (int i = 0; i < k; i++) pv_rows(J, &M[i], c, CH, off, Lp, kind);
+    }
+    for (int i = 0; i < k; i++) {
+        for (int64_t c = joint; c < M[i].L; c += CH) {
+            const int n = (int)(M[i].L - c < CH ? M[i].L - c : CH);
+            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, n, row, off);
+            pv_rows(J, &M[i], c, n, off, Lp, kind);
+        }
+        float *ob = J->out + (size_t)M[i].b * J->Hq * J->D;
+        for (int j = 0; j < nq; j++) st(ob + 8 * (size_t)j, M[i].acc[j]);
+    }
+}
+
 static inline __attribute__((always_inline)) void work_body(job_t *J, const int kind) {
-    const int Hq = J->Hq, Hkv = J->Hkv, g = Hq / Hkv, D = J->D, nv = D / 8;
+    const int nq = J->Hq * (J->D / 8);
     const size_t Lp = (size_t)((J->max_len + CH - 1) / CH * CH);
-    float *scores = (float *)aligned_alloc(32, sizeof(float) * (size_t)Hq * Lp);
-    v8 *acc = (v8 *)aligned_alloc(32, sizeof(v8) * (size_t)Hq * nv);
-    v8 *qv = (v8 *)aligned_alloc(32, sizeof(v8) * (size_t)Hq * nv);
+    float *scores = (float *)aligned_alloc(32, sizeof(float) * (size_t)J->Hq * Lp * GMAX);
+    v8 *acc = (v8 *)aligned_alloc(32, sizeof(v8) * (size_t)nq * GMAX);
+    v8 *qv = (v8 *)aligned_alloc(32, sizeof(v8) * (size_t)nq * GMAX);
     if (!scores || !acc || !qv) {
         free(scores);
         free(acc);
@@ -148,79 +271,17 @@ static inline __attribute__((always_inline)) void work_body(job_t *J, const int 
         J->status = -1;
         return;
     }
-    const size_t row = (size_t)Hkv * D;
-    size_t off[CH];
-    for (int b = J->first; b < J->last; b++) {
-        const int64_t Lfull = J->seq_len[b];
-        const int64_t lo = (J->window > 0 && Lfull > J->window) ? Lfull - J->window : 0;
-        const int64_t L = Lfull - lo; /* visible tokens */
-        const int64_t Lr = (L + 7) / 8 * 8;
-        const int64_t *tab = J->block_tables + (size_t)b * J->nb_stride;
-        const float *qb = J->q + (size_t)b * Hq * D;
-        for (int i = 0; i < Hq * nv; i++) qv[i] = ld(qb + 8 * (size_t)i) * J->scale;
-        /* pass 1, chunk by chunk: scores of every query head over the chunk's K rows */
-        for (int64_t c = 0; c < L; c += CH) {
-            const int n = (int)(L - c < CH ? L - c : CH);
-            chunk_rows(tab, J->block_size, lo + c, n, row, off);
-            const int n8 = n / 8 * 8;
-            for (int h = 0; h < Hkv; h++) {
-                for (int gi = 0; gi < g; gi++) {
-                    const v8 *q = qv + (h * g + gi) * nv;
-                    float *s = scores + (size_t)(h * g + gi) * Lp + c;
-                    for (int t = 0; t < n8; t += 8) st(s + t, dot8(q, J->kc, off + t, (size_t)h * D, nv, kind));
-                    for (int t = n8; t < n; t++) {
-                        v8 a = q[0] * ldkv(J->kc, off[t] + (size_t)h * D, kind);
-                        for (int j = 1; j < nv; j++) a += q[j] * ldkv(J->kc, off[t] + (size_t)h * D + 8 * j, kind);
-                        s[t] = hsum(a);
-                    }
-                }
-            }
+    member_t M[GMAX];
+    for (int gi = J->first; gi < J->last; gi++) {
+        const int k = J->gstart[gi + 1] - J->gstart[gi];
+        for (int i = 0; i < k; i++) {
+            const int b = J->order[J->gstart[gi] + i];
+            const int64_t Lfull = J->seq_len[b];
+            const int64_t lo = (J->window > 0 && Lfull > J->window) ? Lfull - J->window : 0;
+            M[i] = (member_t){qv + (size_t)i * nq, acc + (size_t)i * nq, scores + (size_t)i * J->Hq * Lp,
+                              J->block_tables + (size_t)b * J->nb_stride, lo, Lfull - lo, b};
         }
-        /* softmax per query head */
-        for (int hq = 0; hq < Hq; hq++) {
-            float *s = scores + (size_t)hq * Lp;
-            float m = s[0];
-            for (int64_t t = 1; t < L; t++) m = s[t] > m ? s[t] : m;
-            for (int64_t t = L; t < Lr; t++) s[t] = -INFINITY; /* padding -> exp 0 */
-            v8 vs = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int64_t t = 0; t < Lr; t += 8) {
-                v8 e = vexp(ld(s + t) - m);
-                st(s + t, e);
-                vs += e;
-            }
-            const float inv = 1.f / hsum(vs);
-            for (int64_t t = 0; t < Lr; t += 8) st(s + t, ld(s + t) * inv);
-        }
-        /* pass 2, chunk by chunk: each query head's weighted sum over the chunk's V rows,
-         * 8 output columns at a time held in a register across the chunk */
-        for (int i = 0; i < Hq * nv; i++) acc[i] = (v8){0, 0, 0, 0, 0, 0, 0, 0};
-        for (int64_t c = 0; c < L; c += CH) {
-            const int n = (int)(L - c < CH ? L - c : CH);
-            chunk_rows(tab, J->block_size, lo + c, n, row, off);
-            for (int h = 0; h < Hkv; h++) {
-                for (int gi = 0; gi < g; gi++) {
-                    const float *p = scores + (size_t)(h * g + gi) * Lp + c;
-                    v8 *a = acc + (h * g + gi) * nv;
-                    int j = 0;
-                    for (; j + 8 <= nv; j += 8) { /* 8 independent accumulators in registers */
-                        v8 x[8];
-                        for (int u = 0; u < 8; u++) x[u] = a[j + u];
-                        for (int t = 0; t < n; t++) {
-                            const size_t o = off[t] + (size_t)h * D + 8 * (size_t)j;
-                            for (int u = 0; u < 8; u++) x[u] += p[t] * ldkv(J->vc, o + 8 * u, kind);
-                        }
-                        for (int u = 0; u < 8; u++) a[j + u] = x[u];
-                    }
-                    for (; j < nv; j++) {
-                        v8 x = a[j];
-                        for (int t = 0; t < n; t++) x += p[t] * ldkv(J->vc, off[t] + (size_t)h * D + 8 * j, kind);
-                        a[j] = x;
-                    }
-                }
-            }
-        }
-        float *ob = J->out + (size_t)b * Hq * D;
-        for (int i = 0; i < Hq * nv; i++) st(ob + 8 * (size_t)i, acc[i]);
+        group_body(J, M, k, J->gshared[gi], Lp, kind);
     }
     free(scores);
     free(acc);
@@ -245,25 +306,112 @@ static void *work_bf16(void *arg) {
  * 2 bfloat16); block_tables (B, nb_stride) int64; seq_len[b] = context length of sequence
  * b (its new token included); window > 0: only its last `window` tokens are visible.
  * Returns 0; -1 when memory could not be had; -2 for shapes it does not take. */
+/* Leading visible positions sequences a and b read from the same cache rows. */
+static int64_t shared_len(const int64_t *ta, const int64_t *tb, int64_t la, int64_t lb, int bs, int nb_stride) {
+    const int64_t lim = la < lb ? la : lb;
+    int64_t i = 0;
+    while (i < nb_stride && (i + 1) * bs <= lim && ta[i] == tb[i]) i++;
+    return i * bs;
+}
+
+typedef struct {
+    const int64_t *tab;
+    int64_t nblocks; /* full blocks of the table */
+    int b;
+} seq_key_t;
+
+/* block tables in lexicographic order: sequences sharing the longest prefix end up next
+ * to each other (the tasks of one paper), as in a depth-first walk of a prefix trie */
+static int by_table(const void *x, const void *y) {
+    const seq_key_t *a = (const seq_key_t *)x, *b = (const seq_key_t *)y;
+    const int64_t n = a->nblocks < b->nblocks ? a->nblocks : b->nblocks;
+    for (int64_t i = 0; i < n; i++)
+        if (a->tab[i] != b->tab[i]) return a->tab[i] < b->tab[i] ? -1 : 1;
+    if (a->nblocks != b->nblocks) return a->nblocks < b->nblocks ? -1 : 1;
+    return a->b - b->b;
+}
+
+/* q, out: (B, Hq, D) float32; kc, vc: (slots, Hkv, D) of kv_kind (0 float32, 1 float16,
+ * 2 bfloat16); block_tables (B, nb_stride) int64; seq_len[b] = context length of sequence
+ * b (its new token included); window > 0: only its last `window` tokens are visible.
+ * Sequences sharing leading blocks (a prefix-cache hit) are grouped (at most GMAX each)
+ * and read their shared rows together; groups are split over `nthreads` POSIX threads.
+ * Returns 0; -1 when memory could not be had; -2 for shapes it does not take. */
 int dl_paged_decode(const float *q, const void *kc, const void *vc, float *out, const int64_t *block_tables,
                     const int64_t *seq_len, int B, int nb_stride, int block_size, int window, int Hq, int Hkv,
                     int D, float scale, int kv_kind, int nthreads) {
-    const int tasks = B;
     if (D % 8 != 0 || D > 256 || Hq % Hkv != 0 || kv_kind < 0 || kv_kind > 2) return -2; /* the caller uses its torch path */
+    if (B <= 0) return 0;
     void *(*fn)(void *) = kv_kind == KV_F32 ? work_f32 : kv_kind == KV_F16 ? work_f16 : work_bf16;
     int64_t max_len = 1;
     for (int b = 0; b < B; b++) max_len = seq_len[b] > max_len ? seq_len[b] : max_len;
     if (window > 0 && max_len > window) max_len = window;
+    int *order = (int *)malloc(sizeof(int) * (size_t)B * 2 + sizeof(int));
+    int64_t *gshared = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
+    seq_key_t *keys = (seq_key_t *)malloc(sizeof(seq_key_t) * (size_t)B);
+    if (!order || !gshared || !keys) {
+        free(order);
+        free(gshared);
+        free(keys);
+        return -1;
+    }
+    int *gstart = order + B;
+    for (int b = 0; b < B; b++) {
+        int64_t nbl = seq_len[b] / block_size;
+        keys[b] = (seq_key_t){block_tables + (size_t)b * nb_stride, nbl < nb_stride ? nbl : nb_stride, b};
+    }
+    if (window <= 0) qsort(keys, (size_t)B, sizeof(seq_key_t), by_table); /* a window sees other rows: no groups */
+    for (int b = 0; b < B; b++) order[b] = keys[b].b;
+    free(keys);
+    int ng = 0;
+    for (int i = 0; i < B;) {
+        const int a = order[i];
+        const int64_t *ta = block_tables + (size_t)a * nb_stride;
+        int64_t sh = seq_len[a];
+        int j = i + 1;
+        while (window <= 0 && j < B && j - i < GMAX) {
+            const int b = order[j];
+            const int64_t s = shared_len(ta, block_tables + (size_t)b * nb_stride, seq_len[a], seq_len[b], block_size,
+                                         nb_stride);
+            if (s < CH) break;
+            sh = s < sh ? s : sh;
+            j++;
+        }
+        gstart[ng] = i;
+        gshared[ng] = j - i > 1 ? sh : 0;
+        ng++;
+        i = j;
+    }
+    gstart[ng] = B;
     if (nthreads < 1) nthreads = 1;
-    if (nthreads > tasks) nthreads = tasks;
+    if (nthreads > ng) nthreads = ng;
     if (nthreads > 64) nthreads = 64;
     job_t jobs[64];
     pthread_t tids[64];
     int started[64] = {0};
+    /* contiguous runs of groups with about equal work (visible rows of every member) */
+    int64_t total = 0;
+    int64_t *work = (int64_t *)malloc(sizeof(int64_t) * (size_t)(ng + 1));
+    if (!work) {
+        free(order);
+        free(gshared);
+        return -1;
+    }
+    work[0] = 0;
+    for (int i = 0; i < ng; i++) {
+        for (int j = gstart[i]; j < gstart[i + 1]; j++)
+            total += window > 0 && seq_len[order[j]] > window ? window : seq_len[order[j]];
+        work[i + 1] = total;
+    }
+    int g0 = 0;
     for (int i = 0; i < nthreads; i++) {
+        int g1 = g0;
+        const int64_t want = total * (i + 1) / nthreads;
+        while (g1 < ng && (i == nthreads - 1 || g1 == g0 || work[g1 + 1] <= want ||
+                           work[g1 + 1] - want < want - work[g1])) g1++;
         jobs[i] = (job_t){q, kc, vc, out, block_tables, seq_len, B, Hq, Hkv, D, nb_stride, block_size, window, scale,
-                          (int)((int64_t)tasks * i / nthreads), (int)((int64_t)tasks * (i + 1) / nthreads),
-                          (int)max_len, -1};
+                          order, gstart, gshared, g0, g1, (int)max_len, -1};
+        g0 = g1;
     }
     for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tids[i], NULL, fn, &jobs[i]) == 0;
     fn(&jobs[0]);
@@ -276,5 +424,8 @@ int dl_paged_decode(const float *q, const void *kc, const void *vc, float *out, 
         }
         if (jobs[i].status != 0) rc = -1;
     }
+    free(order);
+    free(gshared);
+    free(work);
     return rc;
 }
