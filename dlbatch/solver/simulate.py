@@ -32,7 +32,6 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass, field, asdict
 from typing import Any
 
@@ -227,21 +226,7 @@ def _queue_stats(arrive: np.ndarray, admit: np.ndarray, horizon: float) -> tuple
     return float(wait.sum() / horizon) if horizon > 0 else 0.0, qmax, float(wait.mean()), float(wait.max())
 
 
-def _decoder_for(chip: ChipProfile, model: ModelSpec, workload: Workload, batch: int, refill_frac: float):
-    K = workload.tasks_per_doc
-    slots = max(K, batch)
-    cap = (chip.memory_bytes - model.weight_bytes) / model.kv_bytes_per_token
-    return _Decoder(chip, slots, cap, K, int(round(slots * refill_frac)))
-
-
-def simulate(plan: Plan, chips: dict[str, ChipProfile], model: ModelSpec, workload: Workload,
-             n_docs: int | None = None, seed: int = 0, max_batch: int = 256, chunk_tokens: int = 8192,
-             refill_frac: float = 1.0 / 32) -> SimResult:
-    """Simulate ``plan`` on ``n_docs`` documents (default ``workload.n_docs``) drawn from
-    ``workload`` with ``seed``. Decode batch per worker is the plan's ``decode_batch``
-    (or recomputed from the profile when the plan does not record it)."""
-    t_wall = time.perf_counter()
-    n = workload.n_docs if n_docs is None else n_docs
+def _check_args(plan: Plan, chips: dict[str, ChipProfile], n, refill_frac: float) -> None:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n_docs must be an integer >= 1, got {n!r}")
     if not (0 < refill_frac <= 1):
@@ -251,203 +236,290 @@ def simulate(plan: Plan, chips: dict[str, ChipProfile], model: ModelSpec, worklo
             raise ValueError(f"plan uses chip {p.chip!r} but no profile was given; have {sorted(chips)}")
     if not plan.pools:
         raise ValueError("plan has no pools")
-    docs = _Docs(workload, model, int(n), seed)
-    K = docs.K
 
-    def batch_of(pool) -> int:
+
+@dataclass
+class _Workers:
+    """The plan's workers by role, one ``(chip, pool)`` entry per replica. A worker's id is
+    its index in its role's list (prefill, decode and colocated ids are separate)."""
+    pre: list[tuple[str, Any]]
+    dec: list[tuple[str, Any]]
+    col: list[tuple[str, Any]]
+
+    @classmethod
+    def of(cls, plan: Plan) -> "_Workers":
+        w = cls([], [], [])
+        for pool in plan.pools:
+            target = {"prefill": w.pre, "decode": w.dec, "colocated": w.col}[pool.role]
+            target.extend([(pool.chip, pool)] * pool.replicas)
+        if w.pre and not w.dec:
+            raise ValueError("plan has prefill workers but no decode workers")
+        if w.dec and not w.pre:
+            raise ValueError("plan has decode workers but no prefill workers")
+        return w
+
+    def groups(self) -> dict[tuple[str, str], list[int]]:
+        """Worker ids per (chip, role), in report order: prefill, decode, colocated pools."""
+        groups: dict[tuple[str, str], list[int]] = {}
+        for role, entries in (("prefill", self.pre), ("decode", self.dec), ("colocated", self.col)):
+            for idx, (c, _) in enumerate(entries):
+                groups.setdefault((c, role), []).append(idx)
+        return groups
+
+
+def _decoder_for(chip: ChipProfile, model: ModelSpec, workload: Workload, batch: int, refill_frac: float):
+    K = workload.tasks_per_doc
+    slots = max(K, batch)
+    cap = (chip.memory_bytes - model.weight_bytes) / model.kv_bytes_per_token
+    return _Decoder(chip, slots, cap, K, int(round(slots * refill_frac)))
+
+
+def _decoders(entries, chips: dict[str, ChipProfile], model: ModelSpec, workload: Workload,
+              max_batch: int, chunk_tokens: int, refill_frac: float) -> list[_Decoder]:
+    """One decoder per worker; its batch is the pool's ``decode_batch``, or the profile's
+    (``role_rates``) when the plan does not record it."""
+    out = []
+    for c, pool in entries:
         if pool.decode_batch:
-            return int(pool.decode_batch)
-        return role_rates(chips[pool.chip], model, workload, max_batch, chunk_tokens).decode_batch
+            batch = int(pool.decode_batch)
+        else:
+            batch = role_rates(chips[c], model, workload, max_batch, chunk_tokens).decode_batch
+        out.append(_decoder_for(chips[c], model, workload, batch, refill_frac))
+    return out
 
-    pre_workers: list[tuple[str, Any]] = []      # (chip, pool)
-    dec_workers: list[tuple[str, Any]] = []
-    col_workers: list[tuple[str, Any]] = []
-    for pool in plan.pools:
-        target = {"prefill": pre_workers, "decode": dec_workers, "colocated": col_workers}[pool.role]
-        target.extend([(pool.chip, pool)] * pool.replicas)
-    if pre_workers and not dec_workers:
-        raise ValueError("plan has prefill workers but no decode workers")
-    if dec_workers and not pre_workers:
-        raise ValueError("plan has decode workers but no prefill workers")
 
-    # per-chip prefill time per document
-    tp: dict[str, np.ndarray] = {}
-    for chip in {c for c, _ in pre_workers + col_workers}:
+def _prefill_times(chips: dict[str, ChipProfile], names, docs: _Docs, chunk_tokens: int) -> dict[str, list]:
+    """Per-document prefill seconds on each chip of ``names``: the per-batch constant is
+    amortised over the worker's token stream of ``chunk_tokens`` batches."""
+    tp = {}
+    for chip in set(names):
         a, b, c = chips[chip].prefill.as_tuple()
-        tp[chip] = a * docs.P / chunk_tokens + b * docs.P + c * docs.Q
+        tp[chip] = (a * docs.P / chunk_tokens + b * docs.P + c * docs.Q).tolist()
+    return tp
 
-    done_t = np.full(n, np.nan)
-    cols = [_decoder_for(chips[c], model, workload, batch_of(p), refill_frac) for c, p in col_workers]
+
+@dataclass
+class _Prefilled:
+    """Phase 1, indexed by document id: when its prefill started and ended and on which
+    prefill worker (-1: a colocated worker, which decodes it itself); each prefill worker's
+    busy time; per colocated worker, the ids it admitted and when (queued at t=0)."""
+    start: np.ndarray
+    done: np.ndarray
+    worker: np.ndarray
+    pre_busy: np.ndarray
+    col_arrive: list[list[int]]
+    col_admit: list[list[float]]
+
+
+def _colocated_turn(dec: _Decoder, nxt: int, tp: list, start: list, done: list, docs: _Docs,
+                    done_t: np.ndarray, chip: str) -> int:
+    """One turn of a colocated worker: prefill and admit the next queued documents that
+    fit (its decode stalls meanwhile) and return how many; else decode one stride (0)."""
+    k = dec.how_many_fit(docs.reserve_l[nxt: nxt + dec.free_docs()])
+    if k > 0:
+        ids = range(nxt, nxt + k)
+        for d in ids:
+            start[d] = dec.t
+            dec.t += tp[d]
+            dec.busy += tp[d]
+            done[d] = dec.t
+        dec.admit(ids, docs)
+        return k
+    if dec.n_active > 0:
+        dec.stride(-1.0, done_t, docs)
+        return 0
+    raise ValueError(f"colocated worker on {chip} cannot hold one document: "
+                     f"{docs.reserve[nxt]:.0f} KV tokens vs {dec.cap:.0f} capacity")
+
+
+def _pull_global_queue(workers: _Workers, tp: dict[str, list], cols: list[_Decoder], docs: _Docs,
+                       done_t: np.ndarray) -> _Prefilled:
+    """Phase 1: documents leave the global queue in id order, each to the earliest-free
+    prefill or colocated worker (a heap of (free time, kind, id)); colocated workers are
+    then drained."""
+    n = docs.n
+    pre_tp = [tp[c] for c, _ in workers.pre]
+    col_tp = [tp[c] for c, _ in workers.col]
+    start, done, worker = [0.0] * n, [0.0] * n, [-1] * n
+    pre_busy = np.zeros(len(workers.pre))
     col_arrive: list[list[int]] = [[] for _ in cols]
     col_admit: list[list[float]] = [[] for _ in cols]
-    pre_busy = np.zeros(len(pre_workers))
-
-    # --- phase 1: the global queue, pulled by prefill and colocated workers -----------
-    heap: list[tuple[float, int, int]] = [(0.0, 0, i) for i in range(len(pre_workers))]
-    heap += [(0.0, 1, i) for i in range(len(cols))]
+    heap = [(0.0, 0, i) for i in range(len(workers.pre))] + [(0.0, 1, i) for i in range(len(cols))]
     heapq.heapify(heap)
     nxt = 0
-    tp_l = {c: v.tolist() for c, v in tp.items()}
-    pre_chip_tp = [tp_l[c] for c, _ in pre_workers]
-    col_tp = [tp_l[c] for c, _ in col_workers]
-    pf_start_l, pf_done_l, pf_worker_l = [0.0] * n, [0.0] * n, [-1] * n
     while heap and nxt < n:
         t, kind, i = heapq.heappop(heap)
         if kind == 0:
-            d = nxt
-            nxt += 1
-            dt = pre_chip_tp[i][d]
-            pf_start_l[d] = t
-            pf_done_l[d] = t + dt
-            pf_worker_l[d] = i
+            dt = pre_tp[i][nxt]
+            start[nxt], done[nxt], worker[nxt] = t, t + dt, i
             pre_busy[i] += dt
+            nxt += 1
             heapq.heappush(heap, (t + dt, 0, i))
         else:
             dec = cols[i]
-            k = dec.how_many_fit(docs.reserve_l[nxt: nxt + dec.free_docs()])
-            if k > 0:
-                ids = range(nxt, nxt + k)
-                nxt += k
-                tpl = col_tp[i]
-                for d in ids:
-                    pf_start_l[d] = dec.t
-                    dec.t += tpl[d]
-                    dec.busy += tpl[d]
-                    pf_done_l[d] = dec.t
-                dec.admit(ids, docs)
-                col_arrive[i].extend(ids)
+            k = _colocated_turn(dec, nxt, col_tp[i], start, done, docs, done_t, workers.col[i][0])
+            if k:
+                col_arrive[i].extend(range(nxt, nxt + k))
                 col_admit[i].extend([dec.t] * k)
-            elif dec.n_active > 0:
-                dec.stride(-1.0, done_t, docs)
-            else:
-                raise ValueError(f"colocated worker on {col_workers[i][0]} cannot hold one document: "
-                                 f"{docs.reserve[nxt]:.0f} KV tokens vs {dec.cap:.0f} capacity")
+                nxt += k
             heapq.heappush(heap, (dec.t, 1, i))
-    for dec in cols:                                  # drain colocated decode
+    for dec in cols:
         while dec.n_active > 0:
             dec.stride(-1.0, done_t, docs)
-    pf_start = np.asarray(pf_start_l)
-    pf_done = np.asarray(pf_done_l)
-    pf_worker = np.asarray(pf_worker_l, dtype=np.int64)
+    return _Prefilled(np.asarray(start), np.asarray(done), np.asarray(worker, dtype=np.int64),
+                      pre_busy, col_arrive, col_admit)
 
-    # --- phase 2: KV transfer to decode workers --------------------------------------
-    pd_ids = np.flatnonzero(pf_worker >= 0)
-    arrive = np.zeros(n)
-    xfer = np.zeros(n)
-    dec_assign = np.full(n, -1, dtype=np.int64)
-    decs = [_decoder_for(chips[c], model, workload, batch_of(p), refill_frac) for c, p in dec_workers]
-    if len(pd_ids):
-        dec_rate = np.array([p.docs_per_s_each if p.docs_per_s_each > 0 else 1.0 for _, p in dec_workers])
-        order = pd_ids[np.argsort(pf_done[pd_ids], kind="stable")]
-        egress = np.zeros(len(pre_workers))
-        ingress = np.zeros(len(decs))
-        bw_p = [chips[c].kv_link_bw for c, _ in pre_workers]
-        bw_d = [chips[c].kv_link_bw for c, _ in dec_workers]
-        load = [(1.0 / dec_rate[j], j) for j in range(len(decs))]
-        heapq.heapify(load)
-        counts = np.zeros(len(decs))
-        pw = pf_worker.tolist()
-        pdn = pf_done.tolist()
-        kvb = docs.kv_bytes.tolist()
-        for d in order.tolist():
-            _, j = heapq.heappop(load)
-            counts[j] += 1
-            heapq.heappush(load, ((counts[j] + 1) / dec_rate[j], j))
-            p = pw[d]
-            start = max(pdn[d], egress[p], ingress[j])
-            dur = kvb[d] / min(bw_p[p], bw_d[j])
-            egress[p] = ingress[j] = start + dur
-            arrive[d] = start + dur
-            xfer[d] = dur
-            dec_assign[d] = j
 
-    # --- phase 3: each decode worker on its own arrivals ---------------------------
-    dec_admit = np.zeros(n)
-    by_dec = _group(dec_assign, len(decs))
-    for j, dec in enumerate(decs):
-        ids_a = by_dec[j]
-        if len(ids_a) == 0:
+@dataclass
+class _Transfers:
+    """Phase 2, indexed by document id: KV arrival time at its decode worker, transfer
+    seconds, decode worker (-1: prefilled on a colocated worker). ``ids``: PD documents."""
+    ids: np.ndarray
+    arrive: np.ndarray
+    xfer: np.ndarray
+    assign: np.ndarray
+
+
+def _transfer_kv(pre: _Prefilled, workers: _Workers, chips: dict[str, ChipProfile], docs: _Docs) -> _Transfers:
+    """Phase 2: in prefill-completion order, each document goes to the decode worker with
+    the least expected load (assigned / capacity); its bytes hold the prefill worker's
+    egress and the decode worker's ingress link (both FIFO) at the slower bandwidth."""
+    n = docs.n
+    kv = _Transfers(np.flatnonzero(pre.worker >= 0), np.zeros(n), np.zeros(n), np.full(n, -1, dtype=np.int64))
+    if not len(kv.ids):
+        return kv
+    n_dec = len(workers.dec)
+    dec_rate = np.array([p.docs_per_s_each if p.docs_per_s_each > 0 else 1.0 for _, p in workers.dec])
+    order = kv.ids[np.argsort(pre.done[kv.ids], kind="stable")]
+    egress = np.zeros(len(workers.pre))
+    ingress = np.zeros(n_dec)
+    bw_p = [chips[c].kv_link_bw for c, _ in workers.pre]
+    bw_d = [chips[c].kv_link_bw for c, _ in workers.dec]
+    load = [(1.0 / dec_rate[j], j) for j in range(n_dec)]
+    heapq.heapify(load)
+    counts = np.zeros(n_dec)
+    pw, pdn, kvb = pre.worker.tolist(), pre.done.tolist(), docs.kv_bytes.tolist()
+    for d in order.tolist():
+        _, j = heapq.heappop(load)
+        counts[j] += 1
+        heapq.heappush(load, ((counts[j] + 1) / dec_rate[j], j))
+        p = pw[d]
+        start = max(pdn[d], egress[p], ingress[j])
+        dur = kvb[d] / min(bw_p[p], bw_d[j])
+        egress[p] = ingress[j] = start + dur
+        kv.arrive[d] = start + dur
+        kv.xfer[d] = dur
+        kv.assign[d] = j
+    return kv
+
+
+def _decode_arrivals(dec: _Decoder, ids_a: np.ndarray, arrive: np.ndarray, docs: _Docs,
+                     done_t: np.ndarray, chip: str) -> list[float]:
+    """Run one decode worker on its documents ``ids_a`` (in arrival order): admit, FIFO,
+    the arrived ones that fit, then stride until slots free up or the next KV arrives.
+    Returns each document's admission time."""
+    ids = ids_a.tolist()
+    arr = arrive[ids_a].tolist()
+    res = docs.reserve[ids_a].tolist()
+    adm = [0.0] * len(ids)
+    m, q = len(ids), 0
+    while q < m or dec.n_active > 0:
+        if dec.n_active == 0 and arr[q] > dec.t:
+            dec.t = arr[q]
+        hi = q
+        lim = q + dec.free_docs()
+        while hi < m and hi < lim and arr[hi] <= dec.t:
+            hi += 1
+        if hi > q:
+            k = dec.how_many_fit(res[q:hi])
+            if k > 0:
+                dec.admit(ids[q: q + k], docs)
+                for u in range(q, q + k):
+                    adm[u] = dec.t
+                q += k
+        if dec.n_active == 0:
+            if q < m and arr[q] <= dec.t:
+                raise ValueError(f"decode worker on {chip} cannot hold one document: "
+                                 f"{res[q]:.0f} KV tokens vs {dec.cap:.0f} capacity")
             continue
-        ids_a = ids_a[np.argsort(arrive[ids_a], kind="stable")]
-        ids = ids_a.tolist()
-        arr = arrive[ids_a].tolist()
-        res = docs.reserve[ids_a].tolist()
-        adm = [0.0] * len(ids)
-        m, q = len(ids), 0
-        while q < m or dec.n_active > 0:
-            if dec.n_active == 0 and arr[q] > dec.t:
-                dec.t = arr[q]
-            hi = q
-            lim = q + dec.free_docs()
-            while hi < m and hi < lim and arr[hi] <= dec.t:
-                hi += 1
-            if hi > q:
-                k = dec.how_many_fit(res[q:hi])
-                if k > 0:
-                    dec.admit(ids[q: q + k], docs)
-                    for u in range(q, q + k):
-                        adm[u] = dec.t
-                    q += k
-            if dec.n_active == 0:
-                if q < m and arr[q] <= dec.t:
-                    raise ValueError(f"decode worker on {dec_workers[j][0]} cannot hold one document: "
-                                     f"{res[q]:.0f} KV tokens vs {dec.cap:.0f} capacity")
-                continue
-            until = arr[q] if (q < m and arr[q] > dec.t and dec.free_docs() > 0) else -1.0
-            dec.stride(until, done_t, docs)
-        dec_admit[ids_a] = adm
+        until = arr[q] if (q < m and arr[q] > dec.t and dec.free_docs() > 0) else -1.0
+        dec.stride(until, done_t, docs)
+    return adm
 
-    # --- report ------------------------------------------------------------------
+
+def _run_decoders(decs: list[_Decoder], workers: _Workers, kv: _Transfers, docs: _Docs,
+                  done_t: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Phase 3: each decode worker on its own arrivals, independently. Returns the
+    document ids per decode worker and each document's admission time."""
+    admit = np.zeros(docs.n)
+    by_dec = _group(kv.assign, len(decs))
+    for j, dec in enumerate(decs):
+        if len(by_dec[j]):
+            ids_a = by_dec[j][np.argsort(kv.arrive[by_dec[j]], kind="stable")]
+            admit[ids_a] = _decode_arrivals(dec, ids_a, kv.arrive, docs, done_t, workers.dec[j][0])
+    return by_dec, admit
+
+
+def _prefill_pool(chip: str, idxs: list[int], by_pre: list[np.ndarray], pre: _Prefilled,
+                  makespan: float) -> PoolStats:
+    """A prefill pool: every document waits in the global queue from t=0 to its start."""
+    sel = np.concatenate([by_pre[i] for i in idxs])
+    wait = pre.start[sel]
+    return PoolStats(chip, "prefill", len(idxs), int(sum(len(by_pre[i]) for i in idxs)),
+                     float(pre.pre_busy[idxs].mean() / makespan), 0.0,
+                     float(wait.sum() / makespan / len(idxs)),
+                     int(max(len(by_pre[i]) for i in idxs)),
+                     float(wait.mean()) if len(wait) else 0.0,
+                     float(wait.max()) if len(wait) else 0.0)
+
+
+def _decoder_pool(chip: str, role: str, pool_decs: list[_Decoder], queues, makespan: float) -> PoolStats:
+    """A decode or colocated pool; ``queues`` holds each worker's (arrival, admission) times."""
+    qlens, qmaxs, waits, wmax, ndocs = [], [], [], [], 0
+    for a_t, ad_t in queues:
+        ndocs += len(a_t)
+        ql, qm, wm, wx = _queue_stats(a_t, ad_t, makespan)
+        qlens.append(ql), qmaxs.append(qm), waits.append(wm * len(a_t)), wmax.append(wx)
+    occ = [d.slot_steps / (d.slots * d.steps) for d in pool_decs if d.steps]
+    return PoolStats(chip, role, len(pool_decs), ndocs,
+                     float(np.mean([d.busy for d in pool_decs]) / makespan),
+                     float(np.mean(occ)) if occ else 0.0,
+                     float(np.mean(qlens)), int(max(qmaxs)),
+                     float(sum(waits) / max(ndocs, 1)), float(max(wmax)))
+
+
+def _pool_stats(workers: _Workers, makespan: float, pre: _Prefilled, cols: list[_Decoder],
+                decs: list[_Decoder], by_dec: list[np.ndarray], kv: _Transfers,
+                dec_admit: np.ndarray) -> list[PoolStats]:
+    by_pre = _group(pre.worker, len(workers.pre))
+    stats = []
+    for (c, role), idxs in workers.groups().items():
+        if role == "prefill":
+            stats.append(_prefill_pool(c, idxs, by_pre, pre, makespan))
+        elif role == "decode":
+            queues = [(kv.arrive[by_dec[i]], dec_admit[by_dec[i]]) for i in idxs]
+            stats.append(_decoder_pool(c, role, [decs[i] for i in idxs], queues, makespan))
+        else:
+            queues = [(np.zeros(len(pre.col_arrive[i])), np.asarray(pre.col_admit[i])) for i in idxs]
+            stats.append(_decoder_pool(c, role, [cols[i] for i in idxs], queues, makespan))
+    return stats
+
+
+def _makespan(done_t: np.ndarray) -> float:
     if np.isnan(done_t).any():
         raise RuntimeError(f"simulation left {int(np.isnan(done_t).sum())} documents unfinished")
-    makespan = float(done_t.max())
+    return float(done_t.max())
+
+
+def _result(plan: Plan, n, docs: _Docs, done_t: np.ndarray, makespan: float, pools: list[PoolStats],
+            pre: _Prefilled, kv: _Transfers, refill_frac: float, t_wall: float) -> SimResult:
     q10, q90 = np.quantile(done_t, [0.1, 0.9])
     steady = 0.8 * n / (q90 - q10) if q90 > q10 else n / makespan
-    stats: list[PoolStats] = []
-    groups: dict[tuple[str, str], list[int]] = {}
-    for idx, (c, p) in enumerate(pre_workers):
-        groups.setdefault((c, "prefill"), []).append(idx)
-    for idx, (c, p) in enumerate(dec_workers):
-        groups.setdefault((c, "decode"), []).append(idx)
-    for idx, (c, p) in enumerate(col_workers):
-        groups.setdefault((c, "colocated"), []).append(idx)
-    pre_counts = Counter(pf_worker[pf_worker >= 0].tolist())
-    by_pre = _group(pf_worker, len(pre_workers))
-    for (c, role), idxs in groups.items():
-        if role == "prefill":
-            sel = np.concatenate([by_pre[i] for i in idxs])
-            wait = pf_start[sel]
-            stats.append(PoolStats(c, role, len(idxs), int(sum(pre_counts[i] for i in idxs)),
-                                   float(pre_busy[idxs].mean() / makespan), 0.0,
-                                   float(wait.sum() / makespan / len(idxs)),
-                                   int(max(len(by_pre[i]) for i in idxs)),
-                                   float(wait.mean()) if len(wait) else 0.0,
-                                   float(wait.max()) if len(wait) else 0.0))
-            continue
-        pool_decs = [decs[i] for i in idxs] if role == "decode" else [cols[i] for i in idxs]
-        qlens, qmaxs, waits, wmax, ndocs = [], [], [], [], 0
-        for i in idxs:
-            if role == "decode":
-                ids = by_dec[i]
-                a_t, ad_t = arrive[ids], dec_admit[ids]
-            else:
-                ids = np.asarray(col_arrive[i], dtype=np.int64)
-                a_t, ad_t = np.zeros(len(ids)), np.asarray(col_admit[i])
-            ndocs += len(ids)
-            ql, qm, wm, wx = _queue_stats(a_t, ad_t, makespan)
-            qlens.append(ql), qmaxs.append(qm), waits.append(wm * len(ids)), wmax.append(wx)
-        occ = [d.slot_steps / (d.slots * d.steps) for d in pool_decs if d.steps]
-        stats.append(PoolStats(c, role, len(idxs), ndocs,
-                               float(np.mean([d.busy for d in pool_decs]) / makespan),
-                               float(np.mean(occ)) if occ else 0.0,
-                               float(np.mean(qlens)), int(max(qmaxs)),
-                               float(sum(waits) / max(ndocs, 1)), float(max(wmax))))
-    first_wait = pf_start
     return SimResult(
         n_docs=int(n), makespan_s=makespan, docs_per_s=n / makespan, tokens_per_s=docs.tokens / makespan,
-        steady_docs_per_s=float(steady), predicted_docs_per_s=float(plan.docs_per_s), pools=stats,
-        prefill_mean_wait_s=float(first_wait.mean()), prefill_max_wait_s=float(first_wait.max()),
-        kv_transfer_mean_s=float(xfer[pd_ids].mean()) if len(pd_ids) else 0.0,
+        steady_docs_per_s=float(steady), predicted_docs_per_s=float(plan.docs_per_s), pools=pools,
+        prefill_mean_wait_s=float(pre.start.mean()), prefill_max_wait_s=float(pre.start.max()),
+        kv_transfer_mean_s=float(kv.xfer[kv.ids].mean()) if len(kv.ids) else 0.0,
         wall_seconds=time.perf_counter() - t_wall,
         assumptions=[
             "all documents queued at t=0 (batch job)",
@@ -456,3 +528,29 @@ def simulate(plan: Plan, chips: dict[str, ChipProfile], model: ModelSpec, worklo
             "prefill batch constant amortised over the worker's token stream (chunked prefill)",
             "tokens/s counts logical prompt tokens K*(D+S) plus output tokens",
         ])
+
+
+def simulate(plan: Plan, chips: dict[str, ChipProfile], model: ModelSpec, workload: Workload,
+             n_docs: int | None = None, seed: int = 0, max_batch: int = 256, chunk_tokens: int = 8192,
+             refill_frac: float = 1.0 / 32) -> SimResult:
+    """Simulate ``plan`` on ``n_docs`` documents (default ``workload.n_docs``) drawn from
+    ``workload`` with ``seed``. Decode batch per worker is the plan's ``decode_batch``
+    (or recomputed from the profile when the plan does not record it).
+
+    Three phases, each complete before the next (no backpressure flows back): the global
+    queue (prefill and colocated workers), KV transfer, then each decode worker alone."""
+    t_wall = time.perf_counter()
+    n = workload.n_docs if n_docs is None else n_docs
+    _check_args(plan, chips, n, refill_frac)
+    docs = _Docs(workload, model, int(n), seed)
+    workers = _Workers.of(plan)
+    tp = _prefill_times(chips, [c for c, _ in workers.pre + workers.col], docs, chunk_tokens)
+    done_t = np.full(n, np.nan)
+    cols = _decoders(workers.col, chips, model, workload, max_batch, chunk_tokens, refill_frac)
+    pre = _pull_global_queue(workers, tp, cols, docs, done_t)
+    kv = _transfer_kv(pre, workers, chips, docs)
+    decs = _decoders(workers.dec, chips, model, workload, max_batch, chunk_tokens, refill_frac)
+    by_dec, dec_admit = _run_decoders(decs, workers, kv, docs, done_t)
+    makespan = _makespan(done_t)
+    pools = _pool_stats(workers, makespan, pre, cols, decs, by_dec, kv, dec_admit)
+    return _result(plan, n, docs, done_t, makespan, pools, pre, kv, refill_frac, t_wall)
