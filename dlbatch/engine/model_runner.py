@@ -50,7 +50,7 @@ class ModelRunner:
         chosen = model.ops.chosen
         self.meta_builder = StepMetaBuilder(
             econf.block_size, econf.max_model_len, econf.max_num_seqs, model.device, mconf.sliding_window,
-            need_decode_gather=self.need_gather, need_prefill_gather=chosen.get("prefill_attention") == "reference")
+            need_decode_gather=self.need_gather, need_prefill_gather=chosen.get("prefill_attention") in ("reference", "cpu"))
 
     @staticmethod
     def bytes_per_block(mconf: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

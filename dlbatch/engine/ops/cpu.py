@@ -18,6 +18,13 @@ we measured. oneDNN with the weight reordered once at load into its blocked layo
 reaches the peak from M = 24 and is never slower at prefill sizes (docs/benchmarks.md).
 ``pack_linear`` reorders float32 weights when oneDNN is built in (``DLBATCH_ONEDNN=0``
 keeps the plain tensor); ``linear`` takes either kind.
+
+prefill_attention: a chunk whose context starts in the cache (chunked prefill, prefix
+hit) needs a causal mask offset by the cached length, which SDPA only takes as an explicit
+mask: then it computes every (query, key) pair, twice the work of the causal square, and
+builds the mask. Here a long chunk is two SDPA calls, the chunk against the cached keys (no
+mask) and against its own keys (``is_causal``), merged by their log-sum-exps. Short chunks
+(a prefix hit's task suffix) and sliding windows keep the reference path.
 """
 from __future__ import annotations
 
@@ -66,6 +73,39 @@ def _runs(table: list[int], lo: int, length: int, bs: int) -> list[tuple[int, in
         else:
             runs.append((start, n))
     return runs
+
+
+SPLIT_MIN_TOKENS = 256  # chunks shorter than this gain nothing from the split (measured, docs/benchmarks.md)
+
+
+@register_op("prefill_attention", "cpu")
+def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+    from dlbatch.engine.ops.reference import prefill_one
+
+    out = torch.empty_like(q)
+    hk, d = k_cache.shape[-2:]
+    kc = k_cache.view(-1, hk, d)
+    vc = v_cache.view(-1, hk, d)
+    window = meta.sliding_window
+    for (qs, n, ctx, gather) in meta.prefill:
+        if ctx == 0 or window is not None or n < SPLIT_MIN_TOKENS or q.dtype != torch.float32:
+            out[qs:qs + n] = prefill_one(q, k, v, kc, vc, qs, n, ctx, gather, window)
+            continue
+        g = q.shape[1] // hk
+        qi = q[qs:qs + n].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
+        cached = gather[:ctx]
+        kp = kc.index_select(0, cached).to(q.dtype).repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+        vp = vc.index_select(0, cached).to(q.dtype).repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+        kn = k[qs:qs + n].repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+        vn = v[qs:qs + n].repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o_p, lse_p = flash(qi, kp, vp, 0.0, False)[:2]
+        o_n, lse_n = flash(qi, kn, vn, 0.0, True)[:2]
+        m = torch.maximum(lse_p, lse_n)
+        w_p, w_n = torch.exp(lse_p - m), torch.exp(lse_n - m)
+        o = (o_p * w_p.unsqueeze(-1) + o_n * w_n.unsqueeze(-1)) / (w_p + w_n).unsqueeze(-1)
+        out[qs:qs + n] = o.squeeze(0).transpose(0, 1)
+    return out
 
 
 @register_op("paged_decode_attention", "cpu")

@@ -91,25 +91,30 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
     hk, d = k_cache.shape[-2:]
     kc = k_cache.view(-1, hk, d)
     vc = v_cache.view(-1, hk, d)
-    window = meta.sliding_window
     for (qs, n, ctx, gather) in meta.prefill:
-        qi = q[qs:qs + n].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
-        if ctx == 0:
-            ki = k[qs:qs + n].transpose(0, 1).unsqueeze(0)
-            vi = v[qs:qs + n].transpose(0, 1).unsqueeze(0)
-            if window is None or n <= window:
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
-            else:
-                pos = torch.arange(n, device=q.device)
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=_window_mask(pos, pos, window), enable_gqa=True)
-        else:
-            ki = kc.index_select(0, gather).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            vi = vc.index_select(0, gather).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            q_pos = torch.arange(ctx, ctx + n, device=q.device)
-            k_pos = torch.arange(ctx + n, device=q.device)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=_window_mask(q_pos, k_pos, window), enable_gqa=True)
-        out[qs:qs + n] = o.squeeze(0).transpose(0, 1)
+        out[qs:qs + n] = prefill_one(q, k, v, kc, vc, qs, n, ctx, gather, meta.sliding_window)
     return out
+
+
+def prefill_one(q, k, v, kc, vc, qs: int, n: int, ctx: int, gather, window) -> torch.Tensor:
+    """(n, Hq, D) attention output of one sequence's chunk: queries q[qs:qs+n] at positions
+    [ctx, ctx + n); kc, vc: the caches as (slots, Hkv, D)."""
+    qi = q[qs:qs + n].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
+    if ctx == 0:
+        ki = k[qs:qs + n].transpose(0, 1).unsqueeze(0)
+        vi = v[qs:qs + n].transpose(0, 1).unsqueeze(0)
+        if window is None or n <= window:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+        else:
+            pos = torch.arange(n, device=q.device)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=_window_mask(pos, pos, window), enable_gqa=True)
+    else:
+        ki = kc.index_select(0, gather).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        vi = vc.index_select(0, gather).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        q_pos = torch.arange(ctx, ctx + n, device=q.device)
+        k_pos = torch.arange(ctx + n, device=q.device)
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=_window_mask(q_pos, k_pos, window), enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
 
 
 @register_op("paged_decode_attention")
