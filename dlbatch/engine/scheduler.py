@@ -46,6 +46,7 @@ class SchedulerOutput:
 class Scheduler:
     AGING = 4  # shortest_first: a prompt waits at most ~AGING x its length of shorter ones
     LOOKAHEAD = 256  # shortest_first picks among the oldest LOOKAHEAD waiting (bounded cost per admission)
+
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
         self.bm = block_manager
@@ -125,9 +126,10 @@ class Scheduler:
 
     def _next_waiting(self) -> Sequence:
         """The waiting sequence to admit next: the head (fcfs), or the one with the fewest
-        prompt tokens among the oldest LOOKAHEAD (shortest_first), except that a sequence preempted earlier, or one that
-        has watched more than `AGING` times its own prompt length of later, shorter prompts
-        go first, takes its turn in arrival order (nothing starves)."""
+        tokens to compute among the oldest LOOKAHEAD (shortest_first). A sequence preempted
+        earlier, or one that has seen more than `AGING` times its own prompt length admitted
+        since it started waiting, is overdue: overdue ones go first, in arrival order, so
+        nothing starves."""
         if self.config.schedule == "fcfs" or len(self.waiting) == 1:
             return self.waiting[0]
         best, best_key = None, None

@@ -148,7 +148,7 @@ def _prefix_aware(groups: list[Group], n: int, cfg: RouterConfig, loads: list[fl
         pos += len(g)
     starts = [p for p, _ in units]  # a piece of a split group runs in its group's slot
     origin_cost = [g.cost(alpha) for g in groups]
-    window_mean = sum(g.cost(alpha) for g in groups) / n
+    window_mean = sum(origin_cost) / n
     units = _split_large(units, cfg.split_fraction * window_mean, alpha)
     # largest first; ties by depth-first position (deterministic)
     order = sorted(units, key=lambda u: (-u[1].cost(alpha), u[0]))

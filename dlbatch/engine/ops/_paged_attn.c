@@ -26,7 +26,7 @@ typedef struct {
     const void *kc, *vc;
     float *out;
     const int64_t *block_tables, *seq_len;
-    int B, Hq, Hkv, D, nb_stride, block_size, window;
+    int Hq, Hkv, D, nb_stride, block_size, window;
     float scale;
     const int *order, *gstart;   /* group i = sequences order[gstart[i] .. gstart[i + 1]) */
     const int64_t *gshared;      /* visible positions group i's members share (same cache rows) */
@@ -409,7 +409,7 @@ int dl_paged_decode(const float *q, const void *kc, const void *vc, float *out, 
         const int64_t want = total * (i + 1) / nthreads;
         while (g1 < ng && (i == nthreads - 1 || g1 == g0 || work[g1 + 1] <= want ||
                            work[g1 + 1] - want < want - work[g1])) g1++;
-        jobs[i] = (job_t){q, kc, vc, out, block_tables, seq_len, B, Hq, Hkv, D, nb_stride, block_size, window, scale,
+        jobs[i] = (job_t){q, kc, vc, out, block_tables, seq_len, Hq, Hkv, D, nb_stride, block_size, window, scale,
                           order, gstart, gshared, g0, g1, (int)max_len, -1};
         g0 = g1;
     }

@@ -87,18 +87,18 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
     kc = k_cache.view(-1, hk, d)
     vc = v_cache.view(-1, hk, d)
     window = meta.sliding_window
+    g = q.shape[1] // hk
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # also returns the log-sum-exp
     for (qs, n, ctx, gather) in meta.prefill:
         if ctx == 0 or window is not None or n < SPLIT_MIN_TOKENS or q.dtype != torch.float32:
             out[qs:qs + n] = prefill_one(q, k, v, kc, vc, qs, n, ctx, gather, window)
             continue
-        g = q.shape[1] // hk
         qi = q[qs:qs + n].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
         cached = gather[:ctx]
         kp = kc.index_select(0, cached).to(q.dtype).repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
         vp = vc.index_select(0, cached).to(q.dtype).repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
         kn = k[qs:qs + n].repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
         vn = v[qs:qs + n].repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         o_p, lse_p = flash(qi, kp, vp, 0.0, False)[:2]
         o_n, lse_n = flash(qi, kn, vn, 0.0, True)[:2]
         m = torch.maximum(lse_p, lse_n)
