@@ -48,7 +48,10 @@ def _case(hq, hk, d, lens, block=16, seed=0, window=None):
 
 @pytest.mark.parametrize("hq,hk,d,lens,block,window", [
     (9, 3, 64, [1, 17, 300, 1024], 16, None), (4, 4, 32, [5], 16, None), (8, 2, 128, [33, 2, 70], 32, None),
-    (8, 2, 64, [100, 7, 250], 16, 40)])
+    (8, 2, 64, [100, 7, 250], 16, 40),
+    # register tiles of 3 query heads x 4 keys / 4 output vectors: remainders of 1 and 2
+    # heads (7 and 2 per KV head) and of 1 and 2 vectors (head sizes 40 and 80)
+    (14, 2, 40, [3, 129, 64], 16, None), (4, 2, 80, [31, 64, 6], 32, None)])
 def test_native_matches_reference(hq, hk, d, lens, block, window):
     q, kc, vc, meta = _case(hq, hk, d, lens, block, window=window)
     want = reference(q, kc, vc, meta)
@@ -90,6 +93,30 @@ def test_native_groups_shared_prefixes_bitwise_as_alone(threads, monkeypatch):
     meta.decode_gather = bt[:, k // block] * block + k % block
     meta.decode_mask = (k[None, :] < lens_t[:, None])[:, None, None, :]
     torch.testing.assert_close(got, reference(q, kc, vc, meta), rtol=1e-5, atol=1e-5)
+
+
+def test_posix_thread_build_gives_the_openmp_build_bits(monkeypatch):
+    """Both builds of the kernels (OpenMP: torch's workers take the parallel region; POSIX
+    threads: the fallback when the compiler has no OpenMP) split the work the same way."""
+    import ctypes
+
+    from dlbatch.native import load
+
+    q, kc, vc, meta = _case(9, 3, 64, [1, 17, 300, 1024, 70], 16)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    omp = native.paged_decode(q, kc, vc, meta.decode_block_tables, meta.decode_lens)
+    posix = load(native._SRC, ("-O3", "-march=native", "-pthread"))
+    posix.dl_paged_decode.restype = ctypes.c_int
+    posix.dl_paged_decode.argtypes = native.lib().dl_paged_decode.argtypes
+    assert posix._name != native.lib()._name  # the default build is the OpenMP one
+    monkeypatch.setattr(native, "_LIB", posix)
+    assert torch.equal(native.paged_decode(q, kc, vc, meta.decode_block_tables, meta.decode_lens), omp)
+    x = torch.randn(37, 1003)
+    posix_argmax = load(native._ARGMAX_SRC, ("-O3", "-march=native", "-pthread"))
+    posix_argmax.dl_argmax_rows.restype = None
+    posix_argmax.dl_argmax_rows.argtypes = native._argmax_lib().dl_argmax_rows.argtypes
+    monkeypatch.setattr(native, "_ARGMAX", posix_argmax)
+    assert native.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -3,7 +3,8 @@
  * element by element; here pass 1 finds the row maximum with 8-wide vector max
  * (vectorised), pass 2 the first index holding it. Same result as torch.argmax: the
  * first maximal element, or the first NaN when the row has one. Rows are split over
- * `nthreads` POSIX threads. */
+ * `nthreads` threads: an OpenMP parallel region when built with -fopenmp (torch's own
+ * worker threads take it; see _paged_attn.c), else POSIX threads. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -59,10 +60,14 @@ void dl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, 
     if (nthreads > rows) nthreads = (int)rows;
     if (nthreads > 64) nthreads = 64;
     job_t jobs[64];
-    pthread_t tids[64];
-    int started[64] = {0};
     for (int i = 0; i < nthreads; i++)
         jobs[i] = (job_t){x, out, cols, stride, rows * i / nthreads, rows * (i + 1) / nthreads};
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1)
+    for (int i = 0; i < nthreads; i++) work(&jobs[i]);
+#else
+    pthread_t tids[64];
+    int started[64] = {0};
     for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tids[i], NULL, work, &jobs[i]) == 0;
     if (nthreads > 0) work(&jobs[0]);
     for (int i = 1; i < nthreads; i++) {
@@ -72,4 +77,5 @@ void dl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, 
             work(&jobs[i]);
         }
     }
+#endif
 }

@@ -10,7 +10,8 @@
  * The cache may hold float32, float16 or bfloat16: rows are widened to float32 as they
  * are loaded (half the bytes of a float32 cache for the same math), so a CPU without
  * native half-precision arithmetic still reads half the KV. Sequences are split over
- * `nthreads` POSIX threads.
+ * `nthreads` threads: built with -fopenmp, an OpenMP parallel region, which torch's own
+ * workers take (the process loads one libgomp, torch's); otherwise POSIX threads.
  */
 #if defined(__AVX__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -108,35 +109,56 @@ static inline v8 vexp(v8 x) {
 
 #define CH 32 /* tokens per chunk: a chunk's K or V rows stay in L1 while every query head reads them */
 
-/* element offsets of the cache rows of positions [t0, t0 + n) of a sequence */
+/* element offsets of the cache rows of positions [t0, t0 + n) of a sequence (bs a power of two) */
 static inline void chunk_rows(const int64_t *tab, int64_t bs, int64_t t0, int n, size_t row, size_t *off) {
+    const int sh = __builtin_ctzll((unsigned long long)bs);
     for (int i = 0; i < n; i++) {
         const int64_t t = t0 + i;
-        off[i] = (size_t)(tab[t / bs] * bs + t % bs) * row;
+        off[i] = (size_t)((tab[t >> sh] << sh) + (t & (bs - 1))) * row;
     }
 }
 
-/* 8 dot products <q, K[t]> (t = 8 rows at off[0..7] + h0) as one vector, nv 8-float
- * vectors each: the horizontal sums are done together (hadd tree) instead of one per row. */
-static inline __attribute__((always_inline)) v8 dot8(const v8 *q, const void *kc, const size_t *off, size_t h0,
-                                                     int nv, const int kind) {
-    v8 a[8];
-    for (int t = 0; t < 8; t++) {
-        v8 x = q[0] * ldkv(kc, off[t] + h0, kind);
-        for (int j = 1; j < nv; j++) x += q[j] * ldkv(kc, off[t] + h0 + 8 * j, kind);
-        a[t] = x;
+/* ask for the cache lines of positions [t0, t0 + n) of a sequence ahead of use: the rows of
+ * a block are contiguous, and the hardware prefetcher does not cross into the next page */
+static inline void prefetch_rows(const void *base, const int64_t *tab, int64_t bs, int64_t t0, int n, size_t rowbytes) {
+    const int sh = __builtin_ctzll((unsigned long long)bs);
+    int64_t t = t0;
+    while (t < t0 + n) {
+        const int64_t blk = t >> sh, end = ((blk + 1) << sh) < t0 + n ? (blk + 1) << sh : t0 + n;
+        const char *p = (const char *)base + (size_t)((tab[blk] << sh) + (t & (bs - 1))) * rowbytes;
+        const size_t len = (size_t)(end - t) * rowbytes;
+        for (size_t o = 0; o < len; o += 64) __builtin_prefetch(p + o, 0, 3);
+        t = end;
     }
+}
+
+/* R query rows x 4 keys: 4R dot products over nv vectors, each reduced as
+ * ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) and stored at s[r][0..3]. One K
+ * vector load serves R rows. */
+static inline __attribute__((always_inline)) void qk_tile(const v8 *const *q, float *const *s, const int R,
+                                                          const void *kc, const size_t *off, size_t h0, int nv,
+                                                          const int kind) {
+    v8 a[3][4];
+    for (int r = 0; r < R; r++)
+        for (int u = 0; u < 4; u++) a[r][u] = (v8){0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < nv; j++) {
+        for (int u = 0; u < 4; u++) {
+            const v8 k = ldkv(kc, off[u] + h0 + 8 * (size_t)j, kind);
+            for (int r = 0; r < R; r++) a[r][u] += q[r][j] * k;
+        }
+    }
+    for (int r = 0; r < R; r++) {
 #ifdef __AVX__
-    __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
-    __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
-    t0 = _mm256_hadd_ps(t0, t1);
-    t2 = _mm256_hadd_ps(t2, t3);
-    return (v8)_mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+        __m256 t0 = _mm256_hadd_ps((__m256)a[r][0], (__m256)a[r][1]), t1 = _mm256_hadd_ps((__m256)a[r][2], (__m256)a[r][3]);
+        t0 = _mm256_hadd_ps(t0, t1);
+        _mm_storeu_ps(s[r], _mm_add_ps(_mm256_castps256_ps128(t0), _mm256_extractf128_ps(t0, 1)));
 #else
-    v8 r;
-    for (int t = 0; t < 8; t++) r[t] = hsum(a[t]);
-    return r;
+        for (int u = 0; u < 4; u++) {
+            const v8 x = a[r][u];
+            s[r][u] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+        }
 #endif
+    }
 }
 
 /* One sequence of a group: its query (scaled), scores and accumulators. */
@@ -148,50 +170,86 @@ typedef struct {
     int b;
 } member_t;
 
-/* scores of every query head of m over visible positions [c, c + n) (rows at off) */
-static inline __attribute__((always_inline)) void score_rows(const job_t *J, const member_t *m, int64_t c, int n,
-                                                             const size_t *off, size_t Lp, const int kind) {
-    const int g = J->Hq / J->Hkv, D = J->D, nv = D / 8;
-    const int n8 = n / 8 * 8;
-    for (int h = 0; h < J->Hkv; h++) {
-        for (int gi = 0; gi < g; gi++) {
-            const v8 *q = m->qv + (h * g + gi) * nv;
-            float *s = m->scores + (size_t)(h * g + gi) * Lp + c;
-            for (int t = 0; t < n8; t += 8) st(s + t, dot8(q, J->kc, off + t, (size_t)h * D, nv, kind));
-            for (int t = n8; t < n; t++) {
-                v8 a = q[0] * ldkv(J->kc, off[t] + (size_t)h * D, kind);
-                for (int j = 1; j < nv; j++) a += q[j] * ldkv(J->kc, off[t] + (size_t)h * D + 8 * j, kind);
-                s[t] = hsum(a);
-            }
+/* R query heads from hq of m over the K rows of positions [c, c + n) */
+static inline __attribute__((always_inline)) void score_heads(const job_t *J, const member_t *m, int hq, const int R,
+                                                              int64_t c, int n, const size_t *off, size_t Lp,
+                                                              const int kind) {
+    const int g = J->Hq / J->Hkv, nv = J->D / 8, n4 = n / 4 * 4;
+    const size_t h0 = (size_t)(hq / g) * J->D;
+    const v8 *q[3];
+    float *s[3];
+    for (int r = 0; r < R; r++) q[r] = m->qv + (hq + r) * nv;
+    for (int t = 0; t < n4; t += 4) {
+        for (int r = 0; r < R; r++) s[r] = m->scores + (size_t)(hq + r) * Lp + c + t;
+        qk_tile(q, s, R, J->kc, off + t, h0, nv, kind);
+    }
+    for (int t = n4; t < n; t++) {
+        for (int r = 0; r < R; r++) {
+            v8 a = q[r][0] * ldkv(J->kc, off[t] + h0, kind);
+            for (int j = 1; j < nv; j++) a += q[r][j] * ldkv(J->kc, off[t] + h0 + 8 * j, kind);
+            m->scores[(size_t)(hq + r) * Lp + c + t] = hsum(a);
         }
     }
 }
 
-/* every query head's weighted sum of m over the V rows of positions [c, c + n), 8 output
- * columns at a time held in registers across the rows */
-static inline __attribute__((always_inline)) void pv_rows(const job_t *J, const member_t *m, int64_t c, int n,
-                                                          const size_t *off, size_t Lp, const int kind) {
-    const int g = J->Hq / J->Hkv, D = J->D, nv = D / 8;
+/* scores of every query head of m over visible positions [c, c + n) (rows at off), the
+ * heads of one KV head three at a time */
+static inline __attribute__((always_inline)) void score_rows(const job_t *J, const member_t *m, int64_t c, int n,
+                                                             const size_t *off, size_t Lp, const int kind) {
+    const int g = J->Hq / J->Hkv;
     for (int h = 0; h < J->Hkv; h++) {
-        for (int gi = 0; gi < g; gi++) {
-            const float *p = m->scores + (size_t)(h * g + gi) * Lp + c;
-            v8 *a = m->acc + (h * g + gi) * nv;
-            int j = 0;
-            for (; j + 8 <= nv; j += 8) {
-                v8 x[8];
-                for (int u = 0; u < 8; u++) x[u] = a[j + u];
-                for (int t = 0; t < n; t++) {
-                    const size_t o = off[t] + (size_t)h * D + 8 * (size_t)j;
-                    for (int u = 0; u < 8; u++) x[u] += p[t] * ldkv(J->vc, o + 8 * u, kind);
+        int gi = 0;
+        for (; gi + 3 <= g; gi += 3) score_heads(J, m, h * g + gi, 3, c, n, off, Lp, kind);
+        if (g - gi == 2) score_heads(J, m, h * g + gi, 2, c, n, off, Lp, kind);
+        if (g - gi == 1) score_heads(J, m, h * g + gi, 1, c, n, off, Lp, kind);
+    }
+}
+
+/* R heads from hq: out[r] += sum_t p[r][t] V[t], 4 output vectors at a time held in
+ * registers across the rows; one V load serves R heads */
+static inline __attribute__((always_inline)) void pv_heads(const job_t *J, const member_t *m, int hq, const int R,
+                                                           int64_t c, int n, const size_t *off, size_t Lp,
+                                                           const int kind) {
+    const int g = J->Hq / J->Hkv, nv = J->D / 8;
+    const size_t h0 = (size_t)(hq / g) * J->D;
+    const float *p[3];
+    for (int r = 0; r < R; r++) p[r] = m->scores + (size_t)(hq + r) * Lp + c;
+    for (int j = 0; j < nv; j += 4) {
+        const int U = nv - j < 4 ? nv - j : 4;
+        v8 x[3][4];
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < U; u++) x[r][u] = m->acc[(hq + r) * nv + j + u];
+        if (U == 4) {
+            for (int t = 0; t < n; t++) {
+                const size_t o = off[t] + h0 + 8 * (size_t)j;
+                for (int u = 0; u < 4; u++) {
+                    const v8 v = ldkv(J->vc, o + 8 * u, kind);
+                    for (int r = 0; r < R; r++) x[r][u] += p[r][t] * v;
                 }
-                for (int u = 0; u < 8; u++) a[j + u] = x[u];
             }
-            for (; j < nv; j++) {
-                v8 x = a[j];
-                for (int t = 0; t < n; t++) x += p[t] * ldkv(J->vc, off[t] + (size_t)h * D + 8 * j, kind);
-                a[j] = x;
+        } else {
+            for (int t = 0; t < n; t++) {
+                const size_t o = off[t] + h0 + 8 * (size_t)j;
+                for (int u = 0; u < U; u++) {
+                    const v8 v = ldkv(J->vc, o + 8 * u, kind);
+                    for (int r = 0; r < R; r++) x[r][u] += p[r][t] * v;
+                }
             }
         }
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < U; u++) m->acc[(hq + r) * nv + j + u] = x[r][u];
+    }
+}
+
+/* every query head's weighted sum of m over the V rows of positions [c, c + n) */
+static inline __attribute__((always_inline)) void pv_rows(const job_t *J, const member_t *m, int64_t c, int n,
+                                                          const size_t *off, size_t Lp, const int kind) {
+    const int g = J->Hq / J->Hkv;
+    for (int h = 0; h < J->Hkv; h++) {
+        int gi = 0;
+        for (; gi + 3 <= g; gi += 3) pv_heads(J, m, h * g + gi, 3, c, n, off, Lp, kind);
+        if (g - gi == 2) pv_heads(J, m, h * g + gi, 2, c, n, off, Lp, kind);
+        if (g - gi == 1) pv_heads(J, m, h * g + gi, 1, c, n, off, Lp, kind);
     }
 }
 
@@ -229,15 +287,20 @@ static inline __attribute__((always_inline)) void group_body(const job_t *J, mem
         for (int j = 0; j < nq; j++) M[i].qv[j] = ld(qb + 8 * (size_t)j) * J->scale;
         for (int j = 0; j < nq; j++) M[i].acc[j] = (v8){0, 0, 0, 0, 0, 0, 0, 0};
     }
+    const size_t eb = kind == KV_F32 ? 4 : 2, rb = row * eb;
     /* pass 1: scores; the joint chunks for all members, then each member's own */
     for (int64_t c = 0; c < joint; c += CH) {
         chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
+        prefetch_rows(J->kc, M[0].tab, J->block_size, M[0].lo + c + CH, CH, rb);
         for (int i = 0; i < k; i++) score_rows(J, &M[i], c, CH, off, Lp, kind);
     }
     for (int i = 0; i < k; i++) {
         for (int64_t c = joint; c < M[i].L; c += CH) {
             const int n = (int)(M[i].L - c < CH ? M[i].L - c : CH);
             chunk_rows(M[i].tab, J->block_size, M[i].lo + c, n, row, off);
+            if (c + CH < M[i].L)
+                prefetch_rows(J->kc, M[i].tab, J->block_size, M[i].lo + c + CH,
+                              (int)(M[i].L - c - CH < CH ? M[i].L - c - CH : CH), rb);
             score_rows(J, &M[i], c, n, off, Lp, kind);
         }
         softmax_rows(J, &M[i], Lp);
@@ -245,12 +308,16 @@ static inline __attribute__((always_inline)) void group_body(const job_t *J, mem
     /* pass 2: weighted sums of V, in the same order */
     for (int64_t c = 0; c < joint; c += CH) {
         chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
+        prefetch_rows(J->vc, M[0].tab, J->block_size, M[0].lo + c + CH, CH, rb);
         for (int i = 0; i < k; i++) pv_rows(J, &M[i], c, CH, off, Lp, kind);
     }
     for (int i = 0; i < k; i++) {
         for (int64_t c = joint; c < M[i].L; c += CH) {
             const int n = (int)(M[i].L - c < CH ? M[i].L - c : CH);
             chunk_rows(M[i].tab, J->block_size, M[i].lo + c, n, row, off);
+            if (c + CH < M[i].L)
+                prefetch_rows(J->vc, M[i].tab, J->block_size, M[i].lo + c + CH,
+                              (int)(M[i].L - c - CH < CH ? M[i].L - c - CH : CH), rb);
             pv_rows(J, &M[i], c, n, off, Lp, kind);
         }
         float *ob = J->out + (size_t)M[i].b * J->Hq * J->D;
@@ -387,8 +454,6 @@ int dl_paged_decode(const float *q, const void *kc, const void *vc, float *out, 
     if (nthreads > ng) nthreads = ng;
     if (nthreads > 64) nthreads = 64;
     job_t jobs[64];
-    pthread_t tids[64];
-    int started[64] = {0};
     /* contiguous runs of groups with about equal work (visible rows of every member) */
     int64_t total = 0;
     int64_t *work = (int64_t *)malloc(sizeof(int64_t) * (size_t)(ng + 1));
@@ -413,6 +478,18 @@ int dl_paged_decode(const float *q, const void *kc, const void *vc, float *out, 
                           order, gstart, gshared, g0, g1, (int)max_len, -1};
         g0 = g1;
     }
+#ifdef _OPENMP
+    /* torch's OpenMP workers (the same libgomp, loaded once per process) spin for a while
+     * after each of its parallel regions: threads of our own would compete with them for the
+     * cores, while a parallel region of ours is taken by those workers at once */
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1)
+    for (int i = 0; i < nthreads; i++) fn(&jobs[i]);
+    int rc = 0;
+    for (int i = 0; i < nthreads; i++)
+        if (jobs[i].status != 0) rc = -1;
+#else
+    pthread_t tids[64];
+    int started[64] = {0};
     for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tids[i], NULL, fn, &jobs[i]) == 0;
     fn(&jobs[0]);
     int rc = jobs[0].status;
@@ -424,6 +501,7 @@ int dl_paged_decode(const float *q, const void *kc, const void *vc, float *out, 
         }
         if (jobs[i].status != 0) rc = -1;
     }
+#endif
     free(order);
     free(gshared);
     free(work);
