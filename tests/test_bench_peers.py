@@ -165,6 +165,8 @@ def test_papers_bench_quick_with_a_missing_peer(tmp_path, sample_model):
     n = len(r["workload"]["prompts"])
     assert n == 6 and len(ours["outputs"]) == n and all(len(o) == 4 for o in ours["outputs"])
     assert ours["output_tokens_per_s"] == pytest.approx(n * 4 / ours["wall_s"])
+    # 4 tokens: the first from the prefill, then at most 3 steps in which all 6 decode
+    assert 1 <= ours["decode_steps"] <= 3 and 0 < ours["decode_step_s"] < ours["wall_s"]
     assert r["target"]["value"] is None and r["target"]["met"] is None
     assert 0 < r["lower_bound"]["total_s"] and r["ours_frac_of_lower_bound"] > 0
     assert os.path.exists(peers.RUNNER)
