@@ -32,9 +32,9 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import sys
-import statistics
 import tempfile
 import time
 

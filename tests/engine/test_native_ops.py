@@ -98,24 +98,18 @@ def test_native_groups_shared_prefixes_bitwise_as_alone(threads, monkeypatch):
 def test_posix_thread_build_gives_the_openmp_build_bits(monkeypatch):
     """Both builds of the kernels (OpenMP: torch's workers take the parallel region; POSIX
     threads: the fallback when the compiler has no OpenMP) split the work the same way."""
-    import ctypes
-
     from dlbatch.native import load
 
     q, kc, vc, meta = _case(9, 3, 64, [1, 17, 300, 1024, 70], 16)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     omp = native.paged_decode(q, kc, vc, meta.decode_block_tables, meta.decode_lens)
-    posix = load(native._SRC, ("-O3", "-march=native", "-pthread"))
-    posix.dl_paged_decode.restype = ctypes.c_int
-    posix.dl_paged_decode.argtypes = native.lib().dl_paged_decode.argtypes
+    posix = native.bind_decode(load(native._SRC, native.POSIX_FLAGS))
     assert posix._name != native.lib()._name  # the default build is the OpenMP one
     monkeypatch.setattr(native, "_LIB", posix)
     assert torch.equal(native.paged_decode(q, kc, vc, meta.decode_block_tables, meta.decode_lens), omp)
     x = torch.randn(37, 1003)
-    posix_argmax = load(native._ARGMAX_SRC, ("-O3", "-march=native", "-pthread"))
-    posix_argmax.dl_argmax_rows.restype = None
-    posix_argmax.dl_argmax_rows.argtypes = native._argmax_lib().dl_argmax_rows.argtypes
-    monkeypatch.setattr(native, "_ARGMAX", posix_argmax)
+    assert native._argmax_lib() is not None  # loaded (and marked tried) before it is swapped
+    monkeypatch.setattr(native, "_ARGMAX", native.bind_argmax(load(native._ARGMAX_SRC, native.POSIX_FLAGS)))
     assert native.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
 
 

@@ -109,6 +109,9 @@ static inline v8 vexp(v8 x) {
 
 #define CH 32 /* tokens per chunk: a chunk's K or V rows stay in L1 while every query head reads them */
 
+/* positions in the chunk of a sequence's L visible positions that starts at c (<= 0: none) */
+static inline int chunk_len(int64_t L, int64_t c) { return (int)(L - c < CH ? L - c : CH); }
+
 /* element offsets of the cache rows of positions [t0, t0 + n) of a sequence (bs a power of two) */
 static inline void chunk_rows(const int64_t *tab, int64_t bs, int64_t t0, int n, size_t row, size_t *off) {
     const int sh = __builtin_ctzll((unsigned long long)bs);
@@ -118,8 +121,9 @@ static inline void chunk_rows(const int64_t *tab, int64_t bs, int64_t t0, int n,
     }
 }
 
-/* ask for the cache lines of positions [t0, t0 + n) of a sequence ahead of use: the rows of
- * a block are contiguous, and the hardware prefetcher does not cross into the next page */
+/* ask for the cache lines of positions [t0, t0 + n) of a sequence ahead of use (none when
+ * n <= 0): the rows of a block are contiguous, and the hardware prefetcher does not cross
+ * into the next page */
 static inline void prefetch_rows(const void *base, const int64_t *tab, int64_t bs, int64_t t0, int n, size_t rowbytes) {
     const int sh = __builtin_ctzll((unsigned long long)bs);
     int64_t t = t0;
@@ -205,6 +209,19 @@ static inline __attribute__((always_inline)) void score_rows(const job_t *J, con
     }
 }
 
+/* R heads x U output vectors from column vector j: x[r][u] += sum_t p[r][t] V[t] */
+static inline __attribute__((always_inline)) void pv_tile(v8 (*x)[4], const float *const *p, const int R, const int U,
+                                                          const void *vc, const size_t *off, size_t o0, int n,
+                                                          const int kind) {
+    for (int t = 0; t < n; t++) {
+        const size_t o = off[t] + o0;
+        for (int u = 0; u < U; u++) {
+            const v8 v = ldkv(vc, o + 8 * u, kind);
+            for (int r = 0; r < R; r++) x[r][u] += p[r][t] * v;
+        }
+    }
+}
+
 /* R heads from hq: out[r] += sum_t p[r][t] V[t], 4 output vectors at a time held in
  * registers across the rows; one V load serves R heads */
 static inline __attribute__((always_inline)) void pv_heads(const job_t *J, const member_t *m, int hq, const int R,
@@ -219,23 +236,10 @@ static inline __attribute__((always_inline)) void pv_heads(const job_t *J, const
         v8 x[3][4];
         for (int r = 0; r < R; r++)
             for (int u = 0; u < U; u++) x[r][u] = m->acc[(hq + r) * nv + j + u];
-        if (U == 4) {
-            for (int t = 0; t < n; t++) {
-                const size_t o = off[t] + h0 + 8 * (size_t)j;
-                for (int u = 0; u < 4; u++) {
-                    const v8 v = ldkv(J->vc, o + 8 * u, kind);
-                    for (int r = 0; r < R; r++) x[r][u] += p[r][t] * v;
-                }
-            }
-        } else {
-            for (int t = 0; t < n; t++) {
-                const size_t o = off[t] + h0 + 8 * (size_t)j;
-                for (int u = 0; u < U; u++) {
-                    const v8 v = ldkv(J->vc, o + 8 * u, kind);
-                    for (int r = 0; r < R; r++) x[r][u] += p[r][t] * v;
-                }
-            }
-        }
+        if (U == 4) /* the common case, with the vector count a constant */
+            pv_tile(x, p, R, 4, J->vc, off, h0 + 8 * (size_t)j, n, kind);
+        else
+            pv_tile(x, p, R, U, J->vc, off, h0 + 8 * (size_t)j, n, kind);
         for (int r = 0; r < R; r++)
             for (int u = 0; u < U; u++) m->acc[(hq + r) * nv + j + u] = x[r][u];
     }
@@ -287,38 +291,32 @@ static inline __attribute__((always_inline)) void group_body(const job_t *J, mem
         for (int j = 0; j < nq; j++) M[i].qv[j] = ld(qb + 8 * (size_t)j) * J->scale;
         for (int j = 0; j < nq; j++) M[i].acc[j] = (v8){0, 0, 0, 0, 0, 0, 0, 0};
     }
-    const size_t eb = kind == KV_F32 ? 4 : 2, rb = row * eb;
+    const size_t rb = row * (kind == KV_F32 ? 4 : 2);
     /* pass 1: scores; the joint chunks for all members, then each member's own */
     for (int64_t c = 0; c < joint; c += CH) {
         chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
-        prefetch_rows(J->kc, M[0].tab, J->block_size, M[0].lo + c + CH, CH, rb);
+        prefetch_rows(J->kc, M[0].tab, J->block_size, M[0].lo + c + CH, chunk_len(M[0].L, c + CH), rb);
         for (int i = 0; i < k; i++) score_rows(J, &M[i], c, CH, off, Lp, kind);
     }
     for (int i = 0; i < k; i++) {
         for (int64_t c = joint; c < M[i].L; c += CH) {
-            const int n = (int)(M[i].L - c < CH ? M[i].L - c : CH);
-            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, n, row, off);
-            if (c + CH < M[i].L)
-                prefetch_rows(J->kc, M[i].tab, J->block_size, M[i].lo + c + CH,
-                              (int)(M[i].L - c - CH < CH ? M[i].L - c - CH : CH), rb);
-            score_rows(J, &M[i], c, n, off, Lp, kind);
+            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, chunk_len(M[i].L, c), row, off);
+            prefetch_rows(J->kc, M[i].tab, J->block_size, M[i].lo + c + CH, chunk_len(M[i].L, c + CH), rb);
+            score_rows(J, &M[i], c, chunk_len(M[i].L, c), off, Lp, kind);
         }
         softmax_rows(J, &M[i], Lp);
     }
     /* pass 2: weighted sums of V, in the same order */
     for (int64_t c = 0; c < joint; c += CH) {
         chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
-        prefetch_rows(J->vc, M[0].tab, J->block_size, M[0].lo + c + CH, CH, rb);
+        prefetch_rows(J->vc, M[0].tab, J->block_size, M[0].lo + c + CH, chunk_len(M[0].L, c + CH), rb);
         for (int i = 0; i < k; i++) pv_rows(J, &M[i], c, CH, off, Lp, kind);
     }
     for (int i = 0; i < k; i++) {
         for (int64_t c = joint; c < M[i].L; c += CH) {
-            const int n = (int)(M[i].L - c < CH ? M[i].L - c : CH);
-            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, n, row, off);
-            if (c + CH < M[i].L)
-                prefetch_rows(J->vc, M[i].tab, J->block_size, M[i].lo + c + CH,
-                              (int)(M[i].L - c - CH < CH ? M[i].L - c - CH : CH), rb);
-            pv_rows(J, &M[i], c, n, off, Lp, kind);
+            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, chunk_len(M[i].L, c), row, off);
+            prefetch_rows(J->vc, M[i].tab, J->block_size, M[i].lo + c + CH, chunk_len(M[i].L, c + CH), rb);
+            pv_rows(J, &M[i], c, chunk_len(M[i].L, c), off, Lp, kind);
         }
         float *ob = J->out + (size_t)M[i].b * J->Hq * J->D;
         for (int j = 0; j < nq; j++) st(ob + 8 * (size_t)j, M[i].acc[j]);

@@ -24,20 +24,37 @@ _I = ctypes.c_int
 KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
+OPENMP_FLAGS = ("-O3", "-march=native", "-fopenmp")
+POSIX_FLAGS = ("-O3", "-march=native", "-pthread")
+
+
 def _load(src: Path):
     """Built with OpenMP when the compiler has it, else with POSIX threads. With OpenMP the
     kernels' parallel regions run on torch's own worker threads (the process has one
-    libgomp, torch's, which our library's libgomp.so.1 resolves to): after each of torch's
-    parallel regions its workers spin for a while, and threads of our own started then
-    competed with them for the cores (a batch-24 decode step's attention took ~2x longer
-    inside the engine than alone)."""
+    libgomp, torch's, which our library's libgomp.so.1 resolves to). Those workers spin for
+    a while after each of torch's parallel regions, so threads of our own started then would
+    compete with them for the cores (docs/benchmarks.md)."""
     from dlbatch.native import load
 
     try:
-        return load(src, ("-O3", "-march=native", "-fopenmp"))
+        return load(src, OPENMP_FLAGS)
     except OSError as e:
         log.info("building %s with OpenMP failed (%s); using POSIX threads", src.name, e)
-        return load(src, ("-O3", "-march=native", "-pthread"))
+        return load(src, POSIX_FLAGS)
+
+
+def bind_decode(L):
+    """Declare dl_paged_decode's C signature on a loaded library; returns it."""
+    L.dl_paged_decode.restype = _I
+    L.dl_paged_decode.argtypes = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I, _I]
+    return L
+
+
+def bind_argmax(L):
+    """Declare dl_argmax_rows's C signature on a loaded library; returns it."""
+    L.dl_argmax_rows.restype = None
+    L.dl_argmax_rows.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _P, _I]
+    return L
 
 
 def lib():
@@ -47,10 +64,7 @@ def lib():
     with _LOCK:
         if not _TRIED:
             try:
-                L = _load(_SRC)
-                L.dl_paged_decode.restype = _I
-                L.dl_paged_decode.argtypes = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I, _I]
-                _LIB = L
+                _LIB = bind_decode(_load(_SRC))
             except OSError as e:
                 log.info("native CPU paged attention unavailable (%s); using the torch implementation", e)
             _TRIED = True
@@ -92,10 +106,7 @@ def _argmax_lib():
     with _LOCK:
         if not _ARGMAX_TRIED:
             try:
-                L = _load(_ARGMAX_SRC)
-                L.dl_argmax_rows.restype = None
-                L.dl_argmax_rows.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _P, _I]
-                _ARGMAX = L
+                _ARGMAX = bind_argmax(_load(_ARGMAX_SRC))
             except OSError as e:
                 log.info("native CPU argmax unavailable (%s); using torch.argmax", e)
             _ARGMAX_TRIED = True
