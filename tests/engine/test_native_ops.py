@@ -126,6 +126,17 @@ def test_native_reads_half_precision_cache(dtype):
     torch.testing.assert_close(torch_loop(q, kh, vh, meta), want, rtol=1e-5, atol=1e-5)
 
 
+def test_vector_width_follows_the_cpu_and_head_size():
+    """16-float vectors (AVX-512) only where the compiler targets AVX-512 (the kernel is
+    built with -march=native) and the head size is a multiple of 16; 8 otherwise. The
+    reference cases above cover both widths on such a CPU (head sizes 64/32/128/80 and 40)."""
+    with open("/proc/cpuinfo") as fh:
+        flags = next((line.split() for line in fh if line.startswith("flags")), [])
+    wide = 16 if "avx512f" in flags else 8
+    width = native.lib().dl_paged_decode_width
+    assert [width(d) for d in (64, 128, 80, 32, 40, 24, 8)] == [wide] * 4 + [8] * 3
+
+
 def test_native_declines_what_it_does_not_take():
     q, kc, vc, meta = _case(4, 2, 12, [7])  # head_dim not a multiple of 8
     assert native.paged_decode(q, kc, vc, meta.decode_block_tables, meta.decode_lens) is None

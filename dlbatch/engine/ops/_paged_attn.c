@@ -12,7 +12,16 @@
  * native half-precision arithmetic still reads half the KV. Sequences are split over
  * `nthreads` threads: built with -fopenmp, an OpenMP parallel region, which torch's own
  * workers take (the process loads one libgomp, torch's); otherwise POSIX threads.
+ *
+ * Vector width. The arithmetic is written once for vectors of W floats (GCC vector
+ * extensions) in the second part of this file (after the `#else` of `#ifndef PA_W`), which the file includes
+ * into itself once per width: W = 8 (AVX2, or whatever the compiler maps 32-byte vectors
+ * to) always, and W = 16 where the compiler targets AVX-512, used for head sizes that are
+ * a multiple of 16 (a 512-bit FMA does twice the work of a 256-bit one on such CPUs).
+ * Names in that part carry the width (`F(name)` -> name_w8, name_w16). One call uses one
+ * width for every sequence, so the result never depends on how the batch is grouped.
  */
+#ifndef PA_W
 #if defined(__AVX__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -38,74 +47,7 @@ typedef struct {
 
 #define GMAX 8 /* sequences per group at most (bigger runs are split) */
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-static inline v8 ld(const float *p) {
-    v8 x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
-
-typedef _Float16 v8f16 __attribute__((vector_size(16)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
-
-/* 8 cache elements starting at element i, widened to float32 (kind is a constant after inlining) */
-static inline __attribute__((always_inline)) v8 ldkv(const void *base, size_t i, const int kind) {
-    if (kind == KV_F32) return ld((const float *)base + i);
-    if (kind == KV_F16) {
-#ifdef __F16C__
-        return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
-#else
-        v8f16 h;
-        memcpy(&h, (const _Float16 *)base + i, sizeof h);
-        return __builtin_convertvector(h, v8);
-#endif
-    }
-#ifdef __AVX2__
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
-    return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-#else
-    v8u16 b;
-    memcpy(&b, (const uint16_t *)base + i, sizeof b);
-    v8i w = __builtin_convertvector(b, v8i) << 16;
-    return (v8)w;
-#endif
-}
-
-static inline float hsum(v8 x) {
-    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
-}
-
-/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |rel err| < 2e-7. */
-static inline v8 vexp(v8 x) {
-    const v8 lo = {-87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f};
-    v8i below = x < lo;
-    x = (v8)(((v8i)lo & below) | ((v8i)x & ~below));
-    v8 fn = x * 1.44269504088896341f;
-    /* round to nearest */
-    v8i n = __builtin_convertvector(fn + (v8){0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f}, v8i);
-    v8 nf = __builtin_convertvector(n, v8);
-    v8i over = nf > fn + 0.5f; /* conversion truncates toward zero: make it floor(fn + 0.5) */
-    v8i adj = over & (v8i){1, 1, 1, 1, 1, 1, 1, 1};
-    n = n - adj;
-    nf = __builtin_convertvector(n, v8);
-    v8 r = x - nf * 0.693145751953125f - nf * 1.428606765330187045e-06f;
-    v8 p = (v8){1.9875691500e-4f, 1.9875691500e-4f, 1.9875691500e-4f, 1.9875691500e-4f, 1.9875691500e-4f,
-                1.9875691500e-4f, 1.9875691500e-4f, 1.9875691500e-4f};
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    v8i e = (n + 127) << 23;
-    return p * (v8)e;
-}
 
 #define CH 32 /* tokens per chunk: a chunk's K or V rows stay in L1 while every query head reads them */
 
@@ -136,241 +78,31 @@ static inline void prefetch_rows(const void *base, const int64_t *tab, int64_t b
     }
 }
 
-/* R query rows x 4 keys: 4R dot products over nv vectors, each reduced as
- * ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) and stored at s[r][0..3]. One K
- * vector load serves R rows. */
-static inline __attribute__((always_inline)) void qk_tile(const v8 *const *q, float *const *s, const int R,
-                                                          const void *kc, const size_t *off, size_t h0, int nv,
-                                                          const int kind) {
-    v8 a[3][4];
-    for (int r = 0; r < R; r++)
-        for (int u = 0; u < 4; u++) a[r][u] = (v8){0, 0, 0, 0, 0, 0, 0, 0};
-    for (int j = 0; j < nv; j++) {
-        for (int u = 0; u < 4; u++) {
-            const v8 k = ldkv(kc, off[u] + h0 + 8 * (size_t)j, kind);
-            for (int r = 0; r < R; r++) a[r][u] += q[r][j] * k;
-        }
-    }
-    for (int r = 0; r < R; r++) {
-#ifdef __AVX__
-        __m256 t0 = _mm256_hadd_ps((__m256)a[r][0], (__m256)a[r][1]), t1 = _mm256_hadd_ps((__m256)a[r][2], (__m256)a[r][3]);
-        t0 = _mm256_hadd_ps(t0, t1);
-        _mm_storeu_ps(s[r], _mm_add_ps(_mm256_castps256_ps128(t0), _mm256_extractf128_ps(t0, 1)));
+#define CAT_(a, b) a##_w##b
+#define CAT(a, b) CAT_(a, b)
+#define F(name) CAT(name, PA_W)
+
+#define PA_W 8
+#include "_paged_attn.c" /* this file, the second part (found next to it) */
+#undef PA_W
+#if defined(__AVX512F__)
+#define PA_W 16
+#include "_paged_attn.c" /* this file, the second part (found next to it) */
+#undef PA_W
+#define PA_WIDE 1
 #else
-        for (int u = 0; u < 4; u++) {
-            const v8 x = a[r][u];
-            s[r][u] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
-        }
+#define PA_WIDE 0
 #endif
-    }
-}
 
-/* One sequence of a group: its query (scaled), scores and accumulators. */
-typedef struct {
-    v8 *qv, *acc;
-    float *scores;
-    const int64_t *tab;
-    int64_t lo, L; /* visible positions [lo, lo + L) */
-    int b;
-} member_t;
+/* floats per vector the kernel uses for head size D */
+int dl_paged_decode_width(int D) { return PA_WIDE && D % 16 == 0 ? 16 : 8; }
 
-/* R query heads from hq of m over the K rows of positions [c, c + n) */
-static inline __attribute__((always_inline)) void score_heads(const job_t *J, const member_t *m, int hq, const int R,
-                                                              int64_t c, int n, const size_t *off, size_t Lp,
-                                                              const int kind) {
-    const int g = J->Hq / J->Hkv, nv = J->D / 8, n4 = n / 4 * 4;
-    const size_t h0 = (size_t)(hq / g) * J->D;
-    const v8 *q[3];
-    float *s[3];
-    for (int r = 0; r < R; r++) q[r] = m->qv + (hq + r) * nv;
-    for (int t = 0; t < n4; t += 4) {
-        for (int r = 0; r < R; r++) s[r] = m->scores + (size_t)(hq + r) * Lp + c + t;
-        qk_tile(q, s, R, J->kc, off + t, h0, nv, kind);
-    }
-    for (int t = n4; t < n; t++) {
-        for (int r = 0; r < R; r++) {
-            v8 a = q[r][0] * ldkv(J->kc, off[t] + h0, kind);
-            for (int j = 1; j < nv; j++) a += q[r][j] * ldkv(J->kc, off[t] + h0 + 8 * j, kind);
-            m->scores[(size_t)(hq + r) * Lp + c + t] = hsum(a);
-        }
-    }
-}
+#if PA_WIDE
+#define WIDE_FN(kind) ((kind) == KV_F32 ? work_f32_w16 : (kind) == KV_F16 ? work_f16_w16 : work_bf16_w16)
+#else
+#define WIDE_FN(kind) NULL
+#endif
 
-/* scores of every query head of m over visible positions [c, c + n) (rows at off), the
- * heads of one KV head three at a time */
-static inline __attribute__((always_inline)) void score_rows(const job_t *J, const member_t *m, int64_t c, int n,
-                                                             const size_t *off, size_t Lp, const int kind) {
-    const int g = J->Hq / J->Hkv;
-    for (int h = 0; h < J->Hkv; h++) {
-        int gi = 0;
-        for (; gi + 3 <= g; gi += 3) score_heads(J, m, h * g + gi, 3, c, n, off, Lp, kind);
-        if (g - gi == 2) score_heads(J, m, h * g + gi, 2, c, n, off, Lp, kind);
-        if (g - gi == 1) score_heads(J, m, h * g + gi, 1, c, n, off, Lp, kind);
-    }
-}
-
-/* R heads x U output vectors from column vector j: x[r][u] += sum_t p[r][t] V[t] */
-static inline __attribute__((always_inline)) void pv_tile(v8 (*x)[4], const float *const *p, const int R, const int U,
-                                                          const void *vc, const size_t *off, size_t o0, int n,
-                                                          const int kind) {
-    for (int t = 0; t < n; t++) {
-        const size_t o = off[t] + o0;
-        for (int u = 0; u < U; u++) {
-            const v8 v = ldkv(vc, o + 8 * u, kind);
-            for (int r = 0; r < R; r++) x[r][u] += p[r][t] * v;
-        }
-    }
-}
-
-/* R heads from hq: out[r] += sum_t p[r][t] V[t], 4 output vectors at a time held in
- * registers across the rows; one V load serves R heads */
-static inline __attribute__((always_inline)) void pv_heads(const job_t *J, const member_t *m, int hq, const int R,
-                                                           int64_t c, int n, const size_t *off, size_t Lp,
-                                                           const int kind) {
-    const int g = J->Hq / J->Hkv, nv = J->D / 8;
-    const size_t h0 = (size_t)(hq / g) * J->D;
-    const float *p[3];
-    for (int r = 0; r < R; r++) p[r] = m->scores + (size_t)(hq + r) * Lp + c;
-    for (int j = 0; j < nv; j += 4) {
-        const int U = nv - j < 4 ? nv - j : 4;
-        v8 x[3][4];
-        for (int r = 0; r < R; r++)
-            for (int u = 0; u < U; u++) x[r][u] = m->acc[(hq + r) * nv + j + u];
-        if (U == 4) /* the common case, with the vector count a constant */
-            pv_tile(x, p, R, 4, J->vc, off, h0 + 8 * (size_t)j, n, kind);
-        else
-            pv_tile(x, p, R, U, J->vc, off, h0 + 8 * (size_t)j, n, kind);
-        for (int r = 0; r < R; r++)
-            for (int u = 0; u < U; u++) m->acc[(hq + r) * nv + j + u] = x[r][u];
-    }
-}
-
-/* every query head's weighted sum of m over the V rows of positions [c, c + n) */
-static inline __attribute__((always_inline)) void pv_rows(const job_t *J, const member_t *m, int64_t c, int n,
-                                                          const size_t *off, size_t Lp, const int kind) {
-    const int g = J->Hq / J->Hkv;
-    for (int h = 0; h < J->Hkv; h++) {
-        int gi = 0;
-        for (; gi + 3 <= g; gi += 3) pv_heads(J, m, h * g + gi, 3, c, n, off, Lp, kind);
-        if (g - gi == 2) pv_heads(J, m, h * g + gi, 2, c, n, off, Lp, kind);
-        if (g - gi == 1) pv_heads(J, m, h * g + gi, 1, c, n, off, Lp, kind);
-    }
-}
-
-static void softmax_rows(const job_t *J, const member_t *m, size_t Lp) {
-    const int64_t L = m->L, Lr = (L + 7) / 8 * 8;
-    for (int hq = 0; hq < J->Hq; hq++) {
-        float *s = m->scores + (size_t)hq * Lp;
-        float mx = s[0];
-        for (int64_t t = 1; t < L; t++) mx = s[t] > mx ? s[t] : mx;
-        for (int64_t t = L; t < Lr; t++) s[t] = -INFINITY; /* padding -> exp 0 */
-        v8 vs = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int64_t t = 0; t < Lr; t += 8) {
-            v8 e = vexp(ld(s + t) - mx);
-            st(s + t, e);
-            vs += e;
-        }
-        const float inv = 1.f / hsum(vs);
-        for (int64_t t = 0; t < Lr; t += 8) st(s + t, ld(s + t) * inv);
-    }
-}
-
-/* A group of k sequences whose first `shared` visible positions are the same cache rows
- * (one paper's tasks: the prefix cache gave them the same blocks). Chunks of the shared
- * part are loaded once and used by every member while they sit in L1, so a paper's KV
- * comes from memory once per step instead of once per task. The chunk boundaries are the
- * same as for a sequence alone, so the result does not depend on the grouping. */
-static inline __attribute__((always_inline)) void group_body(const job_t *J, member_t *M, int k, int64_t shared,
-                                                             size_t Lp, const int kind) {
-    const size_t row = (size_t)J->Hkv * J->D;
-    const int nq = J->Hq * (J->D / 8);
-    size_t off[CH];
-    const int64_t joint = shared / CH * CH;
-    for (int i = 0; i < k; i++) {
-        const float *qb = J->q + (size_t)M[i].b * J->Hq * J->D;
-        for (int j = 0; j < nq; j++) M[i].qv[j] = ld(qb + 8 * (size_t)j) * J->scale;
-        for (int j = 0; j < nq; j++) M[i].acc[j] = (v8){0, 0, 0, 0, 0, 0, 0, 0};
-    }
-    const size_t rb = row * (kind == KV_F32 ? 4 : 2);
-    /* pass 1: scores; the joint chunks for all members, then each member's own */
-    for (int64_t c = 0; c < joint; c += CH) {
-        chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
-        prefetch_rows(J->kc, M[0].tab, J->block_size, M[0].lo + c + CH, chunk_len(M[0].L, c + CH), rb);
-        for (int i = 0; i < k; i++) score_rows(J, &M[i], c, CH, off, Lp, kind);
-    }
-    for (int i = 0; i < k; i++) {
-        for (int64_t c = joint; c < M[i].L; c += CH) {
-            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, chunk_len(M[i].L, c), row, off);
-            prefetch_rows(J->kc, M[i].tab, J->block_size, M[i].lo + c + CH, chunk_len(M[i].L, c + CH), rb);
-            score_rows(J, &M[i], c, chunk_len(M[i].L, c), off, Lp, kind);
-        }
-        softmax_rows(J, &M[i], Lp);
-    }
-    /* pass 2: weighted sums of V, in the same order */
-    for (int64_t c = 0; c < joint; c += CH) {
-        chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
-        prefetch_rows(J->vc, M[0].tab, J->block_size, M[0].lo + c + CH, chunk_len(M[0].L, c + CH), rb);
-        for (int i = 0; i < k; i++) pv_rows(J, &M[i], c, CH, off, Lp, kind);
-    }
-    for (int i = 0; i < k; i++) {
-        for (int64_t c = joint; c < M[i].L; c += CH) {
-            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, chunk_len(M[i].L, c), row, off);
-            prefetch_rows(J->vc, M[i].tab, J->block_size, M[i].lo + c + CH, chunk_len(M[i].L, c + CH), rb);
-            pv_rows(J, &M[i], c, chunk_len(M[i].L, c), off, Lp, kind);
-        }
-        float *ob = J->out + (size_t)M[i].b * J->Hq * J->D;
-        for (int j = 0; j < nq; j++) st(ob + 8 * (size_t)j, M[i].acc[j]);
-    }
-}
-
-static inline __attribute__((always_inline)) void work_body(job_t *J, const int kind) {
-    const int nq = J->Hq * (J->D / 8);
-    const size_t Lp = (size_t)((J->max_len + CH - 1) / CH * CH);
-    float *scores = (float *)aligned_alloc(32, sizeof(float) * (size_t)J->Hq * Lp * GMAX);
-    v8 *acc = (v8 *)aligned_alloc(32, sizeof(v8) * (size_t)nq * GMAX);
-    v8 *qv = (v8 *)aligned_alloc(32, sizeof(v8) * (size_t)nq * GMAX);
-    if (!scores || !acc || !qv) {
-        free(scores);
-        free(acc);
-        free(qv);
-        J->status = -1;
-        return;
-    }
-    member_t M[GMAX];
-    for (int gi = J->first; gi < J->last; gi++) {
-        const int k = J->gstart[gi + 1] - J->gstart[gi];
-        for (int i = 0; i < k; i++) {
-            const int b = J->order[J->gstart[gi] + i];
-            const int64_t Lfull = J->seq_len[b];
-            const int64_t lo = (J->window > 0 && Lfull > J->window) ? Lfull - J->window : 0;
-            M[i] = (member_t){qv + (size_t)i * nq, acc + (size_t)i * nq, scores + (size_t)i * J->Hq * Lp,
-                              J->block_tables + (size_t)b * J->nb_stride, lo, Lfull - lo, b};
-        }
-        group_body(J, M, k, J->gshared[gi], Lp, kind);
-    }
-    free(scores);
-    free(acc);
-    free(qv);
-    J->status = 0;
-}
-
-static void *work_f32(void *arg) {
-    work_body((job_t *)arg, KV_F32);
-    return NULL;
-}
-static void *work_f16(void *arg) {
-    work_body((job_t *)arg, KV_F16);
-    return NULL;
-}
-static void *work_bf16(void *arg) {
-    work_body((job_t *)arg, KV_BF16);
-    return NULL;
-}
-
-/* q, out: (B, Hq, D) float32; kc, vc: (slots, Hkv, D) of kv_kind (0 float32, 1 float16,
- * 2 bfloat16); block_tables (B, nb_stride) int64; seq_len[b] = context length of sequence
- * b (its new token included); window > 0: only its last `window` tokens are visible.
- * Returns 0; -1 when memory could not be had; -2 for shapes it does not take. */
 /* Leading visible positions sequences a and b read from the same cache rows. */
 static int64_t shared_len(const int64_t *ta, const int64_t *tb, int64_t la, int64_t lb, int bs, int nb_stride) {
     const int64_t lim = la < lb ? la : lb;
@@ -400,14 +132,16 @@ static int by_table(const void *x, const void *y) {
  * 2 bfloat16); block_tables (B, nb_stride) int64; seq_len[b] = context length of sequence
  * b (its new token included); window > 0: only its last `window` tokens are visible.
  * Sequences sharing leading blocks (a prefix-cache hit) are grouped (at most GMAX each)
- * and read their shared rows together; groups are split over `nthreads` POSIX threads.
+ * and read their shared rows together; groups are split over `nthreads` threads. Head sizes that are a multiple of 16 use
+ * 16-float vectors where the compiler targets AVX-512 (dl_paged_decode_width).
  * Returns 0; -1 when memory could not be had; -2 for shapes it does not take. */
 int dl_paged_decode(const float *q, const void *kc, const void *vc, float *out, const int64_t *block_tables,
                     const int64_t *seq_len, int B, int nb_stride, int block_size, int window, int Hq, int Hkv,
                     int D, float scale, int kv_kind, int nthreads) {
     if (D % 8 != 0 || D > 256 || Hq % Hkv != 0 || kv_kind < 0 || kv_kind > 2) return -2; /* the caller uses its torch path */
     if (B <= 0) return 0;
-    void *(*fn)(void *) = kv_kind == KV_F32 ? work_f32 : kv_kind == KV_F16 ? work_f16 : work_bf16;
+    void *(*fn)(void *) = kv_kind == KV_F32 ? work_f32_w8 : kv_kind == KV_F16 ? work_f16_w8 : work_bf16_w8;
+    if (dl_paged_decode_width(D) == 16) fn = WIDE_FN(kv_kind);
     int64_t max_len = 1;
     for (int b = 0; b < B; b++) max_len = seq_len[b] > max_len ? seq_len[b] : max_len;
     if (window > 0 && max_len > window) max_len = window;
@@ -505,3 +239,329 @@ int dl_paged_decode(const float *q, const void *kc, const void *vc, float *out, 
     free(work);
     return rc;
 }
+
+#else /* PA_W defined: the arithmetic for vectors of PA_W floats */
+
+typedef float F(vf) __attribute__((vector_size(4 * PA_W)));
+typedef int32_t F(vi) __attribute__((vector_size(4 * PA_W)));
+#define vf F(vf)
+#define vi F(vi)
+
+static inline vf F(ld)(const float *p) {
+    vf x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void F(st)(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+/* W cache elements starting at element i, widened to float32 (kind is a constant after inlining) */
+static inline __attribute__((always_inline)) vf F(ldkv)(const void *base, size_t i, const int kind) {
+    if (kind == KV_F32) return F(ld)((const float *)base + i);
+    const uint16_t *h = (const uint16_t *)base + i;
+#if PA_W == 8 && defined(__F16C__)
+    if (kind == KV_F16) return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#elif PA_W == 16 && defined(__AVX512F__)
+    if (kind == KV_F16) return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#endif
+#if PA_W == 8 && defined(__AVX2__)
+    if (kind == KV_BF16)
+        return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
+#elif PA_W == 16 && defined(__AVX512F__)
+    if (kind == KV_BF16)
+        return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
+#endif
+    typedef _Float16 hv __attribute__((vector_size(2 * PA_W)));
+    typedef uint16_t uv __attribute__((vector_size(2 * PA_W)));
+    if (kind == KV_F16) {
+        hv x;
+        memcpy(&x, h, sizeof x);
+        return __builtin_convertvector(x, vf);
+    }
+    uv b;
+    memcpy(&b, h, sizeof b);
+    return (vf)(__builtin_convertvector(b, vi) << 16);
+}
+
+/* the 8-lane sum, in the order ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7)), of the
+ * lanes folded to 8 (x[i] + x[i + 8] for 16 lanes) */
+static inline float F(hsum)(vf x) {
+#if PA_W == 16
+    for (int i = 0; i < 8; i++) x[i] += x[i + 8];
+#endif
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |rel err| < 2e-7. */
+static inline vf F(vexp)(vf x) {
+    const vf lo = (vf){0} - 87.f;
+    vi below = x < lo;
+    x = (vf)(((vi)lo & below) | ((vi)x & ~below));
+    vf fn = x * 1.44269504088896341f;
+    /* round to nearest */
+    vi n = __builtin_convertvector(fn + 0.5f, vi);
+    vf nf = __builtin_convertvector(n, vf);
+    vi over = nf > fn + 0.5f; /* conversion truncates toward zero: make it floor(fn + 0.5) */
+    n = n - (over & 1);
+    nf = __builtin_convertvector(n, vf);
+    vf r = x - nf * 0.693145751953125f - nf * 1.428606765330187045e-06f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    vi e = (n + 127) << 23;
+    return p * (vf)e;
+}
+
+/* R query rows x 4 keys: 4R dot products over nv vectors, each reduced as F(hsum) does
+ * and stored at s[r][0..3]. One K vector load serves R rows. */
+static inline __attribute__((always_inline)) void F(qk_tile)(const vf *const *q, float *const *s, const int R,
+                                                             const void *kc, const size_t *off, size_t h0, int nv,
+                                                             const int kind) {
+    vf a[3][4];
+    for (int r = 0; r < R; r++)
+        for (int u = 0; u < 4; u++) a[r][u] = (vf){0};
+    for (int j = 0; j < nv; j++) {
+        for (int u = 0; u < 4; u++) {
+            const vf k = F(ldkv)(kc, off[u] + h0 + PA_W * (size_t)j, kind);
+            for (int r = 0; r < R; r++) a[r][u] += q[r][j] * k;
+        }
+    }
+    for (int r = 0; r < R; r++) {
+#if defined(__AVX__)
+#if PA_W == 16
+        __m256 x[4];
+        for (int u = 0; u < 4; u++) {
+            const __m512 z = (__m512)a[r][u];
+            x[u] = _mm256_add_ps(_mm512_castps512_ps256(z), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+        }
+#else
+        const __m256 x[4] = {(__m256)a[r][0], (__m256)a[r][1], (__m256)a[r][2], (__m256)a[r][3]};
+#endif
+        __m256 t0 = _mm256_hadd_ps(x[0], x[1]), t1 = _mm256_hadd_ps(x[2], x[3]);
+        t0 = _mm256_hadd_ps(t0, t1);
+        _mm_storeu_ps(s[r], _mm_add_ps(_mm256_castps256_ps128(t0), _mm256_extractf128_ps(t0, 1)));
+#else
+        for (int u = 0; u < 4; u++) s[r][u] = F(hsum)(a[r][u]);
+#endif
+    }
+}
+
+/* One sequence of a group: its query (scaled), scores and accumulators. */
+typedef struct {
+    vf *qv, *acc;
+    float *scores;
+    const int64_t *tab;
+    int64_t lo, L; /* visible positions [lo, lo + L) */
+    int b;
+} F(member_t);
+#define member_t F(member_t)
+
+/* R query heads from hq of m over the K rows of positions [c, c + n) */
+static inline __attribute__((always_inline)) void F(score_heads)(const job_t *J, const member_t *m, int hq, const int R,
+                                                                 int64_t c, int n, const size_t *off, size_t Lp,
+                                                                 const int kind) {
+    const int g = J->Hq / J->Hkv, nv = J->D / PA_W, n4 = n / 4 * 4;
+    const size_t h0 = (size_t)(hq / g) * J->D;
+    const vf *q[3];
+    float *s[3];
+    for (int r = 0; r < R; r++) q[r] = m->qv + (hq + r) * nv;
+    for (int t = 0; t < n4; t += 4) {
+        for (int r = 0; r < R; r++) s[r] = m->scores + (size_t)(hq + r) * Lp + c + t;
+        F(qk_tile)(q, s, R, J->kc, off + t, h0, nv, kind);
+    }
+    for (int t = n4; t < n; t++) {
+        for (int r = 0; r < R; r++) {
+            vf a = q[r][0] * F(ldkv)(J->kc, off[t] + h0, kind);
+            for (int j = 1; j < nv; j++) a += q[r][j] * F(ldkv)(J->kc, off[t] + h0 + PA_W * j, kind);
+            m->scores[(size_t)(hq + r) * Lp + c + t] = F(hsum)(a);
+        }
+    }
+}
+
+/* scores of every query head of m over visible positions [c, c + n) (rows at off), the
+ * heads of one KV head three at a time */
+static inline __attribute__((always_inline)) void F(score_rows)(const job_t *J, const member_t *m, int64_t c, int n,
+                                                                const size_t *off, size_t Lp, const int kind) {
+    const int g = J->Hq / J->Hkv;
+    for (int h = 0; h < J->Hkv; h++) {
+        int gi = 0;
+        for (; gi + 3 <= g; gi += 3) F(score_heads)(J, m, h * g + gi, 3, c, n, off, Lp, kind);
+        if (g - gi == 2) F(score_heads)(J, m, h * g + gi, 2, c, n, off, Lp, kind);
+        if (g - gi == 1) F(score_heads)(J, m, h * g + gi, 1, c, n, off, Lp, kind);
+    }
+}
+
+/* R heads x U output vectors from column vector j: x[r][u] += sum_t p[r][t] V[t] */
+static inline __attribute__((always_inline)) void F(pv_tile)(vf (*x)[4], const float *const *p, const int R,
+                                                             const int U, const void *vc, const size_t *off, size_t o0,
+                                                             int n, const int kind) {
+    for (int t = 0; t < n; t++) {
+        const size_t o = off[t] + o0;
+        for (int u = 0; u < U; u++) {
+            const vf v = F(ldkv)(vc, o + PA_W * u, kind);
+            for (int r = 0; r < R; r++) x[r][u] += p[r][t] * v;
+        }
+    }
+}
+
+/* R heads from hq: out[r] += sum_t p[r][t] V[t], 4 output vectors at a time held in
+ * registers across the rows; one V load serves R heads */
+static inline __attribute__((always_inline)) void F(pv_heads)(const job_t *J, const member_t *m, int hq, const int R,
+                                                              int64_t c, int n, const size_t *off, size_t Lp,
+                                                              const int kind) {
+    const int g = J->Hq / J->Hkv, nv = J->D / PA_W;
+    const size_t h0 = (size_t)(hq / g) * J->D;
+    const float *p[3];
+    for (int r = 0; r < R; r++) p[r] = m->scores + (size_t)(hq + r) * Lp + c;
+    for (int j = 0; j < nv; j += 4) {
+        const int U = nv - j < 4 ? nv - j : 4;
+        vf x[3][4];
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < U; u++) x[r][u] = m->acc[(hq + r) * nv + j + u];
+        if (U == 4) /* the common case, with the vector count a constant */
+            F(pv_tile)(x, p, R, 4, J->vc, off, h0 + PA_W * (size_t)j, n, kind);
+        else
+            F(pv_tile)(x, p, R, U, J->vc, off, h0 + PA_W * (size_t)j, n, kind);
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < U; u++) m->acc[(hq + r) * nv + j + u] = x[r][u];
+    }
+}
+
+/* every query head's weighted sum of m over the V rows of positions [c, c + n) */
+static inline __attribute__((always_inline)) void F(pv_rows)(const job_t *J, const member_t *m, int64_t c, int n,
+                                                             const size_t *off, size_t Lp, const int kind) {
+    const int g = J->Hq / J->Hkv;
+    for (int h = 0; h < J->Hkv; h++) {
+        int gi = 0;
+        for (; gi + 3 <= g; gi += 3) F(pv_heads)(J, m, h * g + gi, 3, c, n, off, Lp, kind);
+        if (g - gi == 2) F(pv_heads)(J, m, h * g + gi, 2, c, n, off, Lp, kind);
+        if (g - gi == 1) F(pv_heads)(J, m, h * g + gi, 1, c, n, off, Lp, kind);
+    }
+}
+
+/* softmax of each head's scores in place (the padding up to a whole vector set to 0);
+ * the maximum is taken a vector at a time (the exact maximum, whatever the order) */
+static void F(softmax_rows)(const job_t *J, const member_t *m, size_t Lp) {
+    const int64_t L = m->L, Lr = (L + PA_W - 1) / PA_W * PA_W;
+    for (int hq = 0; hq < J->Hq; hq++) {
+        float *s = m->scores + (size_t)hq * Lp;
+        for (int64_t t = L; t < Lr; t++) s[t] = -INFINITY; /* padding -> exp 0 */
+        vf vm = F(ld)(s);
+        for (int64_t t = PA_W; t < Lr; t += PA_W) {
+            const vf x = F(ld)(s + t);
+            const vi gt = x > vm;
+            vm = (vf)(((vi)x & gt) | ((vi)vm & ~gt));
+        }
+        float mx = vm[0];
+        for (int i = 1; i < PA_W; i++) mx = vm[i] > mx ? vm[i] : mx;
+        vf vs = (vf){0};
+        for (int64_t t = 0; t < Lr; t += PA_W) {
+            vf e = F(vexp)(F(ld)(s + t) - mx);
+            F(st)(s + t, e);
+            vs += e;
+        }
+        const float inv = 1.f / F(hsum)(vs);
+        for (int64_t t = 0; t < Lr; t += PA_W) F(st)(s + t, F(ld)(s + t) * inv);
+    }
+}
+
+/* A group of k sequences whose first `shared` visible positions are the same cache rows
+ * (one paper's tasks: the prefix cache gave them the same blocks). Chunks of the shared
+ * part are loaded once and used by every member while they sit in L1, so a paper's KV
+ * comes from memory once per step instead of once per task. The chunk boundaries are the
+ * same as for a sequence alone, so the result does not depend on the grouping. */
+static inline __attribute__((always_inline)) void F(group_body)(const job_t *J, member_t *M, int k, int64_t shared,
+                                                                size_t Lp, const int kind) {
+    const size_t row = (size_t)J->Hkv * J->D;
+    const int nq = J->Hq * (J->D / PA_W);
+    size_t off[CH];
+    const int64_t joint = shared / CH * CH;
+    for (int i = 0; i < k; i++) {
+        const float *qb = J->q + (size_t)M[i].b * J->Hq * J->D;
+        for (int j = 0; j < nq; j++) M[i].qv[j] = F(ld)(qb + PA_W * (size_t)j) * J->scale;
+        for (int j = 0; j < nq; j++) M[i].acc[j] = (vf){0};
+    }
+    const size_t rb = row * (kind == KV_F32 ? 4 : 2);
+    /* pass 1: scores; the joint chunks for all members, then each member's own */
+    for (int64_t c = 0; c < joint; c += CH) {
+        chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
+        prefetch_rows(J->kc, M[0].tab, J->block_size, M[0].lo + c + CH, chunk_len(M[0].L, c + CH), rb);
+        for (int i = 0; i < k; i++) F(score_rows)(J, &M[i], c, CH, off, Lp, kind);
+    }
+    for (int i = 0; i < k; i++) {
+        for (int64_t c = joint; c < M[i].L; c += CH) {
+            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, chunk_len(M[i].L, c), row, off);
+            prefetch_rows(J->kc, M[i].tab, J->block_size, M[i].lo + c + CH, chunk_len(M[i].L, c + CH), rb);
+            F(score_rows)(J, &M[i], c, chunk_len(M[i].L, c), off, Lp, kind);
+        }
+        F(softmax_rows)(J, &M[i], Lp);
+    }
+    /* pass 2: weighted sums of V, in the same order */
+    for (int64_t c = 0; c < joint; c += CH) {
+        chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
+        prefetch_rows(J->vc, M[0].tab, J->block_size, M[0].lo + c + CH, chunk_len(M[0].L, c + CH), rb);
+        for (int i = 0; i < k; i++) F(pv_rows)(J, &M[i], c, CH, off, Lp, kind);
+    }
+    for (int i = 0; i < k; i++) {
+        for (int64_t c = joint; c < M[i].L; c += CH) {
+            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, chunk_len(M[i].L, c), row, off);
+            prefetch_rows(J->vc, M[i].tab, J->block_size, M[i].lo + c + CH, chunk_len(M[i].L, c + CH), rb);
+            F(pv_rows)(J, &M[i], c, chunk_len(M[i].L, c), off, Lp, kind);
+        }
+        float *ob = J->out + (size_t)M[i].b * J->Hq * J->D;
+        for (int j = 0; j < nq; j++) F(st)(ob + PA_W * (size_t)j, M[i].acc[j]);
+    }
+}
+
+static inline __attribute__((always_inline)) void F(work_body)(job_t *J, const int kind) {
+    const int nq = J->Hq * (J->D / PA_W);
+    const size_t Lp = (size_t)((J->max_len + CH - 1) / CH * CH);
+    float *scores = (float *)aligned_alloc(64, sizeof(float) * (size_t)J->Hq * Lp * GMAX);
+    vf *acc = (vf *)aligned_alloc(64, sizeof(vf) * (size_t)nq * GMAX);
+    vf *qv = (vf *)aligned_alloc(64, sizeof(vf) * (size_t)nq * GMAX);
+    if (!scores || !acc || !qv) {
+        free(scores);
+        free(acc);
+        free(qv);
+        J->status = -1;
+        return;
+    }
+    member_t M[GMAX];
+    for (int gi = J->first; gi < J->last; gi++) {
+        const int k = J->gstart[gi + 1] - J->gstart[gi];
+        for (int i = 0; i < k; i++) {
+            const int b = J->order[J->gstart[gi] + i];
+            const int64_t Lfull = J->seq_len[b];
+            const int64_t lo = (J->window > 0 && Lfull > J->window) ? Lfull - J->window : 0;
+            M[i] = (member_t){qv + (size_t)i * nq, acc + (size_t)i * nq, scores + (size_t)i * J->Hq * Lp,
+                              J->block_tables + (size_t)b * J->nb_stride, lo, Lfull - lo, b};
+        }
+        F(group_body)(J, M, k, J->gshared[gi], Lp, kind);
+    }
+    free(scores);
+    free(acc);
+    free(qv);
+    J->status = 0;
+}
+
+static void *F(work_f32)(void *arg) {
+    F(work_body)((job_t *)arg, KV_F32);
+    return NULL;
+}
+static void *F(work_f16)(void *arg) {
+    F(work_body)((job_t *)arg, KV_F16);
+    return NULL;
+}
+static void *F(work_bf16)(void *arg) {
+    F(work_body)((job_t *)arg, KV_BF16);
+    return NULL;
+}
+
+#undef member_t
+#undef vf
+#undef vi
+#endif /* PA_W */

@@ -47,6 +47,8 @@ def bind_decode(L):
     """Declare dl_paged_decode's C signature on a loaded library; returns it."""
     L.dl_paged_decode.restype = _I
     L.dl_paged_decode.argtypes = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I, _I]
+    L.dl_paged_decode_width.restype = _I  # floats per vector used for a head size (8, or 16 with AVX-512)
+    L.dl_paged_decode_width.argtypes = [_I]
     return L
 
 
