@@ -469,6 +469,50 @@ static void F(softmax_rows)(const job_t *J, const member_t *m, size_t Lp) {
     }
 }
 
+/* One pass over the rows of a group (pv = 0: K rows, scores; pv = 1: V rows, weighted
+ * sums; a constant after inlining): the joint chunks for all members, then each member's
+ * own, which it ends with its softmax (pass 0) or by storing its output (pass 1). */
+static inline __attribute__((always_inline)) void F(pass)(const job_t *J, member_t *M, int k, int64_t joint, size_t Lp,
+                                                          const int kind, const int pv) {
+    size_t off[CH];
+    const size_t row = (size_t)J->Hkv * J->D, rb = row * (kind == KV_F32 ? 4 : 2);
+    const void *cache = pv ? J->vc : J->kc;
+    for (int64_t c = 0; c < joint; c += CH) {
+        chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
+        prefetch_rows(cache, M[0].tab, J->block_size, M[0].lo + c + CH, chunk_len(M[0].L, c + CH), rb);
+        for (int i = 0; i < k; i++) {
+            if (pv) F(pv_rows)(J, &M[i], c, CH, off, Lp, kind);
+            else F(score_rows)(J, &M[i], c, CH, off, Lp, kind);
+        }
+    }
+    for (int i = 0; i < k; i++) {
+        for (int64_t c = joint; c < M[i].L; c += CH) {
+            const int n = chunk_len(M[i].L, c);
+            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, n, row, off);
+            prefetch_rows(cache, M[i].tab, J->block_size, M[i].lo + c + CH, chunk_len(M[i].L, c + CH), rb);
+            if (pv) F(pv_rows)(J, &M[i], c, n, off, Lp, kind);
+            else F(score_rows)(J, &M[i], c, n, off, Lp, kind);
+        }
+        if (!pv) {
+            F(softmax_rows)(J, &M[i], Lp);
+        } else {
+            float *ob = J->out + (size_t)M[i].b * J->Hq * J->D;
+            for (int j = 0; j < J->Hq * (J->D / PA_W); j++) F(st)(ob + PA_W * (size_t)j, M[i].acc[j]);
+        }
+    }
+}
+
+/* the two passes as functions of their own, which GCC clones per kind: inlined together
+ * into one body, the float32 pass compiles slower (docs/benchmarks.md) */
+static __attribute__((noinline)) void F(score_pass)(const job_t *J, member_t *M, int k, int64_t joint, size_t Lp,
+                                                    const int kind) {
+    F(pass)(J, M, k, joint, Lp, kind, 0);
+}
+static __attribute__((noinline)) void F(value_pass)(const job_t *J, member_t *M, int k, int64_t joint, size_t Lp,
+                                                    const int kind) {
+    F(pass)(J, M, k, joint, Lp, kind, 1);
+}
+
 /* A group of k sequences whose first `shared` visible positions are the same cache rows
  * (one paper's tasks: the prefix cache gave them the same blocks). Chunks of the shared
  * part are loaded once and used by every member while they sit in L1, so a paper's KV
@@ -476,45 +520,15 @@ static void F(softmax_rows)(const job_t *J, const member_t *m, size_t Lp) {
  * same as for a sequence alone, so the result does not depend on the grouping. */
 static inline __attribute__((always_inline)) void F(group_body)(const job_t *J, member_t *M, int k, int64_t shared,
                                                                 size_t Lp, const int kind) {
-    const size_t row = (size_t)J->Hkv * J->D;
     const int nq = J->Hq * (J->D / PA_W);
-    size_t off[CH];
     const int64_t joint = shared / CH * CH;
     for (int i = 0; i < k; i++) {
         const float *qb = J->q + (size_t)M[i].b * J->Hq * J->D;
         for (int j = 0; j < nq; j++) M[i].qv[j] = F(ld)(qb + PA_W * (size_t)j) * J->scale;
         for (int j = 0; j < nq; j++) M[i].acc[j] = (vf){0};
     }
-    const size_t rb = row * (kind == KV_F32 ? 4 : 2);
-    /* pass 1: scores; the joint chunks for all members, then each member's own */
-    for (int64_t c = 0; c < joint; c += CH) {
-        chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
-        prefetch_rows(J->kc, M[0].tab, J->block_size, M[0].lo + c + CH, chunk_len(M[0].L, c + CH), rb);
-        for (int i = 0; i < k; i++) F(score_rows)(J, &M[i], c, CH, off, Lp, kind);
-    }
-    for (int i = 0; i < k; i++) {
-        for (int64_t c = joint; c < M[i].L; c += CH) {
-            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, chunk_len(M[i].L, c), row, off);
-            prefetch_rows(J->kc, M[i].tab, J->block_size, M[i].lo + c + CH, chunk_len(M[i].L, c + CH), rb);
-            F(score_rows)(J, &M[i], c, chunk_len(M[i].L, c), off, Lp, kind);
-        }
-        F(softmax_rows)(J, &M[i], Lp);
-    }
-    /* pass 2: weighted sums of V, in the same order */
-    for (int64_t c = 0; c < joint; c += CH) {
-        chunk_rows(M[0].tab, J->block_size, M[0].lo + c, CH, row, off);
-        prefetch_rows(J->vc, M[0].tab, J->block_size, M[0].lo + c + CH, chunk_len(M[0].L, c + CH), rb);
-        for (int i = 0; i < k; i++) F(pv_rows)(J, &M[i], c, CH, off, Lp, kind);
-    }
-    for (int i = 0; i < k; i++) {
-        for (int64_t c = joint; c < M[i].L; c += CH) {
-            chunk_rows(M[i].tab, J->block_size, M[i].lo + c, chunk_len(M[i].L, c), row, off);
-            prefetch_rows(J->vc, M[i].tab, J->block_size, M[i].lo + c + CH, chunk_len(M[i].L, c + CH), rb);
-            F(pv_rows)(J, &M[i], c, chunk_len(M[i].L, c), off, Lp, kind);
-        }
-        float *ob = J->out + (size_t)M[i].b * J->Hq * J->D;
-        for (int j = 0; j < nq; j++) F(st)(ob + PA_W * (size_t)j, M[i].acc[j]);
-    }
+    F(score_pass)(J, M, k, joint, Lp, kind);
+    F(value_pass)(J, M, k, joint, Lp, kind);
 }
 
 static inline __attribute__((always_inline)) void F(work_body)(job_t *J, const int kind) {
