@@ -230,7 +230,10 @@ def test_driver_kill9_at_random_points_then_resume_exactly_once(ray_local, sampl
 @pytest.mark.slow
 @pytest.mark.ray
 def test_sampling_resume_after_kill_reproduces_rows(ray_local, sample_model, tmp_path, raytmp):
-    job, extra = "jobs/papers.yaml", ["input.limit=2", *SEQ, "sampling.temperature=0.8", "sampling.seed=7"]
+    # float32: the path whose rows do not depend on the batch's composition (docs/reliability.md);
+    # the sample job asks for bfloat16, which CPUs with AMX compute in bf16, rounding by batch
+    job, extra = "jobs/papers.yaml", ["input.limit=2", *SEQ, "sampling.temperature=0.8", "sampling.seed=7",
+                                      "model.dtype=float32"]
     base = str(tmp_path / "base")
     _run(job, base, extra)
     ref = _canon(_rows(base))

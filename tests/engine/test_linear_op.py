@@ -23,6 +23,19 @@ def test_packed_linear_matches_f_linear(rows, with_bias):
     assert ops.linear(x3, packed, b).shape == (1, rows, 96)
 
 
+def test_packed_linear_row_is_the_same_whatever_the_batch():
+    """A row's result has the same bits alone and among others (a resumed sampling job
+    batches differently and must draw the same tokens). The shape is SmolLM2-135M's down
+    projection, where oneDNN's one-row kernel differed in the last bits on an AVX-512 CPU."""
+    ops = get_ops("cpu")
+    g = torch.Generator().manual_seed(0)
+    packed = ops.pack_linear(torch.randn(576, 1536, generator=g) * 0.02)
+    x = torch.randn(300, 1536, generator=g)
+    first = ops.linear(x[:2], packed)[:1]
+    for rows in (1, 3, 24, 300):
+        assert torch.equal(ops.linear(x[:rows], packed)[:1], first), rows
+
+
 def test_pack_linear_keeps_plain_weights_when_disabled_or_not_float32(monkeypatch):
     ops = get_ops("cpu")
     w16 = torch.randn(8, 4).to(torch.bfloat16)

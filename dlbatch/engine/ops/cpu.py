@@ -17,7 +17,11 @@ linear: ``F.linear`` goes to MKL, whose GEMM for the skinny shapes of a decode s
 we measured. oneDNN with the weight reordered once at load into its blocked layout
 reaches the peak from M = 24 and is never slower at prefill sizes (docs/benchmarks.md).
 ``pack_linear`` reorders float32 weights when oneDNN is built in (``DLBATCH_ONEDNN=0``
-keeps the plain tensor); ``linear`` takes either kind.
+keeps the plain tensor); ``linear`` takes either kind. A row's result must not depend on
+how many rows share the call (a resumed sampling job batches differently and must draw the
+same tokens): oneDNN's packed GEMM gives every row the same bits for any M >= 2, but a
+different kernel for M = 1 on AVX-512 CPUs (the 1536-wide down projection differed in the
+last bits), so a single row goes through as the first of two.
 
 prefill_attention: a chunk whose context starts in the cache (chunked prefill, prefix
 hit) needs a causal mask offset by the cached length, which SDPA only takes as an explicit
@@ -57,6 +61,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if x.dim() != 2:
         return linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if x.shape[0] == 1:  # one row: as the first of two (see the module docstring)
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), weight, bias, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
