@@ -330,6 +330,23 @@ def _run_in_thread(runner):
     return t, box
 
 
+def _cpu_busy(pid: int, window: float = 0.1) -> bool:
+    """Whether process `pid` used the CPU for at least half of the next `window` seconds
+    (a worker inside a prefill call computes; an idle one waits). The worker's process title
+    does not name the call it runs (it stays `ray::PrefillWorkerImpl`)."""
+    def ticks():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return int(fields[11]) + int(fields[12])  # utime + stime
+        except (OSError, IndexError, ValueError):
+            return None
+    t0 = ticks()
+    time.sleep(window)
+    t1 = ticks()
+    return t0 is not None and t1 is not None and (t1 - t0) >= window * os.sysconf("SC_CLK_TCK") / 2
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("via", ["auto", "rdt"])
 def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path, via):
@@ -341,7 +358,10 @@ def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path,
     if via == "rdt" and rdt.unavailable_reason("cpu"):
         pytest.skip(rdt.unavailable_reason("cpu"))
     out = str(tmp_path / "out")
-    spec = load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, "input.limit=2", f"cluster.kv_transport={via}"])
+    # float32: prefill calls long enough to be killed inside one on a CPU with AMX, where the
+    # sample job's bfloat16 prefills the two documents in a fraction of a second
+    spec = load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, "input.limit=2", f"cluster.kv_transport={via}",
+                                         "model.dtype=float32"])
     runner = JobRunner(spec, progress=False)
     t, box = _run_in_thread(runner)
     deadline = time.time() + 400
@@ -350,13 +370,10 @@ def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path,
     assert runner.inflight, box
     pid = ray_local.get(runner.workers["prefill"][0].ping.remote(), timeout=60)["pid"]
     t_kill = time.time()
-    while time.time() - t_kill < 5:  # until its process title says it is running prefill()
-        try:
-            if b"prefill" in open(f"/proc/{pid}/cmdline", "rb").read():
-                break
-        except OSError:
-            break
-        time.sleep(0.02)
+    busy = False
+    while time.time() - t_kill < 60 and t.is_alive() and not busy:  # until it computes a prefill
+        busy = _cpu_busy(pid)
+    assert busy, f"the prefill worker never computed while the job ran: {box}"
     os.kill(pid, signal.SIGKILL)
     t.join(timeout=600)
     assert not t.is_alive() and "error" not in box, box
