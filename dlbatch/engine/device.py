@@ -4,8 +4,11 @@ slower than fp32 — on this project's AVX2 CI machines we measured bf16 at 7 GF
 fp32 at 50 GFLOP/s on one core. There the engine stores and computes in fp32 and says so."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import os
+import platform
 
 log = logging.getLogger("dlbatch.engine")
 
@@ -38,6 +41,32 @@ def compute_dtype(dtype_name: str, device_type: str, allow_upcast: bool = True) 
                  dtype_name)
         return "float32"
     return dtype_name
+
+
+# glibc malloc settings for an engine on the CPU (keep_freed_memory)
+MALLOC_MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+MALLOC_TRIM_THRESHOLD = 1 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (malloc.h)
+
+
+@functools.lru_cache(maxsize=None)
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed blocks of up to 32 MiB in the process instead of
+    handing them back to the OS. Every step of the engine allocates its activations afresh
+    (megabytes per op at prefill sizes), and by default glibc serves such blocks from fresh
+    mappings and returns them on free, so each step touches new pages and page-faults on
+    every one of them, which is slow in a virtual machine. Called once per process by an
+    engine on the CPU; True when the settings took. ``DLBATCH_MALLOPT=0`` leaves malloc alone
+    (measurements: docs/benchmarks.md)."""
+    if os.environ.get("DLBATCH_MALLOPT", "1") == "0" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's C library
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return (mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD) == 1
+            and mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD) == 1)
 
 
 # KV cache size on CUDA when none is asked for: this share of the device's memory (times

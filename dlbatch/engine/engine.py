@@ -46,8 +46,10 @@ class LLMEngine:
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
-        from dlbatch.engine.device import compute_dtype
+        from dlbatch.engine.device import compute_dtype, keep_freed_memory
 
+        if device.type == "cpu":
+            keep_freed_memory()
         self.compute_dtype = compute_dtype(config.dtype, device.type, allow_upcast=config.allow_upcast)
         dtype = torch_dtype(self.compute_dtype)
         self.ops = get_ops(device, op_overrides)
