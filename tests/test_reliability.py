@@ -193,14 +193,16 @@ def test_driver_kill9_at_random_points_then_resume_exactly_once(ray_local, sampl
         for attempt in range(3):  # a run that dies on its own (Ray start-up timed out on a busy machine) is redone
             with open(tmp_path / f"run{i}.{attempt}.log", "wb") as logf:
                 proc = _start_run(job, out, extra, raytmp, logf)
-                if i == 1:  # right after a commit lands
+                if i == 1:  # right after a commit lands (the next document's batch is already
+                    # running then, and a fast CPU finishes it within a second)
                     _wait_first_commit(proc, out, timeout=600)
-                    time.sleep(rng.uniform(0.0, 1.0))
+                    time.sleep(rng.uniform(0.0, 0.2))
                 elif i == 2:  # mid-batch: a worker of this run is in prefill() or decode()
                     _wait_for_title(lambda: _procs_with(raytmp), b"WorkerImpl.prefill", 600, proc)
                     time.sleep(rng.uniform(0.0, 3.0))
-                else:  # anywhere early: Ray start-up, model load, parsing
-                    time.sleep(rng.uniform(2.0, 40.0))
+                else:  # anywhere early: Ray start-up, model load, parsing; at the latest when the
+                    # first commit lands (a fast CPU runs the whole job within 40 s)
+                    _wait_first_commit(proc, out, timeout=rng.uniform(2.0, 40.0))
                 rc = proc.poll()
                 _kill_group_and_ray(proc, raytmp)
             if rc in (None, 0):
