@@ -135,9 +135,11 @@ def _check_committed(out, job, extra, raytmp):
 
 
 def _status(job, out, extra, raytmp):
-    """`dlbatch status --json` in a fresh interpreter; it must not import Ray (so cannot start it)."""
-    code = ("import sys, json; from dlbatch.cli import main; rc = main(sys.argv[1:]); "
-            "print(json.dumps({'ray_imported': 'ray' in sys.modules, 'rc': rc}))")
+    """`dlbatch status --json` in a fresh interpreter; it must not import Ray (so cannot start it).
+    It leaves with os._exit, as the `dlbatch` command does (dlbatch.cli:entry): Arrow's thread
+    pool torn down at interpreter exit can abort the process after its work is done."""
+    code = ("import os, sys, json; from dlbatch.cli import main; rc = main(sys.argv[1:]); "
+            "print(json.dumps({'ray_imported': 'ray' in sys.modules, 'rc': rc}), flush=True); os._exit(0)")
     t0 = time.time()
     r = subprocess.run([sys.executable, "-c", code, "status", job, "--json", *_sets(out, extra)], cwd=REPO,
                        env=_env(raytmp), capture_output=True, text=True, timeout=120)
