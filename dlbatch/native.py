@@ -1,8 +1,9 @@
 """Small C kernels, compiled on first use with the system C compiler and loaded with ctypes.
 
-A kernel is one C file in the package. `load()` compiles it once into the per-user cache
+A kernel is one C file in the package (with the headers next to it that it includes).
+`load()` compiles it once into the per-user cache
 (``dlbatch.cache.user_cache_dir("native")``: ``$DLBATCH_CACHE``, else ``~/.cache/dlbatch``,
-created 0700 and refused when another user owns it), the file named by a hash of the source, the flags, the Python build and this CPU's instruction-set flags (so
+created 0700 and refused when another user owns it), the file named by a hash of the source and its local headers, the flags, the Python build and this CPU's instruction-set flags (so
 a home directory shared by different machines never loads code built for another CPU),
 then loads it — only a regular file of ours that nobody else can write (any other file
 at that name is compiled over). ctypes releases the GIL for each call. Without a compiler, or with
@@ -15,6 +16,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
@@ -49,6 +51,10 @@ def load(src: Path, flags: tuple[str, ...] = ("-O2",), env_switch: str | None = 
     if sys.byteorder != "little":
         raise OSError("big-endian host")
     code = src.read_bytes()
+    for name in sorted(set(re.findall(rb'#include "([^"]+)"', code))):  # local headers are part of the build
+        header = src.with_name(name.decode())
+        if header != src and header.is_file():
+            code += header.read_bytes()
     tag = hashlib.sha256(code + " ".join(flags).encode() + platform.machine().encode() + sys.version.encode()
                          + _cpu_flags()).hexdigest()[:16]
     errors = []

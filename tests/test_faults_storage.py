@@ -123,6 +123,25 @@ def test_native_helper_compiled_into_private_cache_and_recompiled_when_writable(
     assert os.stat(so).st_ino != ino and stat.S_IMODE(os.stat(so).st_mode) == 0o700
 
 
+
+def test_native_helper_rebuilt_when_a_local_header_changes(tmp_path, monkeypatch):
+    """The build's name hashes the headers the source includes from its own folder: a new
+    header gives a new library, never the one built from the old header."""
+    import shutil
+
+    from dlbatch import native
+
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("DLBATCH_CACHE", str(tmp_path / "c"))
+    (tmp_path / "_step.h").write_text("#define STEP 1\n")
+    src = tmp_path / "_h.c"
+    src.write_text('#include "_step.h"\nint dl_h(int x) { return x + STEP; }\n')
+    assert native.load(src).dl_h(1) == 2
+    (tmp_path / "_step.h").write_text("#define STEP 5\n")
+    assert native.load(src).dl_h(1) == 6
+    assert len(list((tmp_path / "c" / "native").glob("h-*.so"))) == 2
+
 def test_remote_gguf_copy_goes_to_the_private_cache(tmp_path, monkeypatch):
     import fsspec
 

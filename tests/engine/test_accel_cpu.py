@@ -119,6 +119,6 @@ def test_cuda_ops_register_only_with_triton():
     registry._load_builtin()
     registered = {n for (n, dev) in registry._IMPLS if dev == "cuda"}
     assert registered == (set(cuda.IMPLS) if cuda.AVAILABLE else set())
-    assert registry.get_ops("cpu").chosen["add_rms_norm"] == "reference"
+    assert set(registry.get_ops("cpu").chosen.values()) <= {"reference", "cpu"}  # CUDA kernels stay on CUDA
 
 

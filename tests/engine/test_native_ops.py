@@ -103,13 +103,13 @@ def test_posix_thread_build_gives_the_openmp_build_bits(monkeypatch):
     q, kc, vc, meta = _case(9, 3, 64, [1, 17, 300, 1024, 70], 16)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     omp = native.paged_decode(q, kc, vc, meta.decode_block_tables, meta.decode_lens)
-    posix = native.bind_decode(load(native._SRC, native.POSIX_FLAGS))
+    posix = native.bind_decode(load(native.DECODE.src, native.POSIX_FLAGS))
     assert posix._name != native.lib()._name  # the default build is the OpenMP one
-    monkeypatch.setattr(native, "_LIB", posix)
+    monkeypatch.setattr(native.DECODE, "lib", posix)
     assert torch.equal(native.paged_decode(q, kc, vc, meta.decode_block_tables, meta.decode_lens), omp)
     x = torch.randn(37, 1003)
-    assert native._argmax_lib() is not None  # loaded (and marked tried) before it is swapped
-    monkeypatch.setattr(native, "_ARGMAX", native.bind_argmax(load(native._ARGMAX_SRC, native.POSIX_FLAGS)))
+    assert native.ARGMAX.get() is not None  # loaded (and marked tried) before it is swapped
+    monkeypatch.setattr(native.ARGMAX, "lib", native.bind_argmax(load(native.ARGMAX.src, native.POSIX_FLAGS)))
     assert native.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
 
 
@@ -163,7 +163,7 @@ def test_engine_uses_native_kernel_and_stays_exact(tmp_path):
 
 
 def test_native_argmax_matches_torch():
-    assert native._argmax_lib() is not None
+    assert native.ARGMAX.get() is not None
     g = torch.Generator().manual_seed(3)
     x = torch.randn(37, 1003, generator=g)
     x[5, 17] = x[5, 900] = 100.0  # ties: the first index wins

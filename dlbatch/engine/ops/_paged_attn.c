@@ -292,6 +292,8 @@ static inline float F(hsum)(vf x) {
     return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
+#include "_vexp.h"
+
 /* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |rel err| < 2e-7. */
 static inline vf F(vexp)(vf x) {
     const vf lo = (vf){0} - 87.f;
@@ -305,13 +307,7 @@ static inline vf F(vexp)(vf x) {
     n = n - (over & 1);
     nf = __builtin_convertvector(n, vf);
     vf r = x - nf * 0.693145751953125f - nf * 1.428606765330187045e-06f;
-    vf p = (vf){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
+    vf p = F(exp_poly)(r);
     vi e = (n + 127) << 23;
     return p * (vf)e;
 }

@@ -23,6 +23,13 @@ same tokens): oneDNN's packed GEMM gives every row the same bits for any M >= 2,
 different kernel for M = 1 on AVX-512 CPUs (the 1536-wide down projection differed in the
 last bits), so a single row goes through as the first of two.
 
+rms_norm, add_rms_norm, silu_and_mul, rotary_store_kv: one pass of a C kernel per row
+(``_fused.c``) instead of a chain of torch ops, each with a pass and a tensor of its own: a
+tenth of a prefill's time went to these chains, and a decode step dispatched some twenty
+small ops per layer for them. Rotary goes in place, into q and k (views of the QKV
+projection's output), as the CUDA kernels do. Inputs the kernel does not take (not
+float32, rows not contiguous) go to the reference.
+
 prefill_attention: a chunk whose context starts in the cache (chunked prefill, prefix
 hit) needs a causal mask offset by the cached length, which SDPA only takes as an explicit
 mask: then it computes every (query, key) pair, twice the work of the causal square, and
@@ -37,6 +44,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from dlbatch.engine.ops import native, reference
 from dlbatch.engine.ops.registry import register_op
 
 # the batch size oneDNN lays the weights out for: a decode step's rows (any M works)
@@ -66,6 +74,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
+@register_op("rms_norm", "cpu")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = native.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps) if out is None else out
+
+
+@register_op("add_rms_norm", "cpu")
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    out = native.rms_norm(x, weight, eps, residual)
+    return reference.add_rms_norm(x, residual, weight, eps) if out is None else out
+
+
+@register_op("silu_and_mul", "cpu")
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    out = native.silu_and_mul(x)
+    return reference.silu_and_mul(x) if out is None else out
+
+
+@register_op("rotary_store_kv", "cpu")
+def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots):
+    out = native.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    return reference.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots) if out is None else out
+
+
 def _runs(table: list[int], lo: int, length: int, bs: int) -> list[tuple[int, int]]:
     """Positions [lo, length) of a sequence as runs (first slot, count) of consecutive slots."""
     runs: list[tuple[int, int]] = []
@@ -86,8 +118,6 @@ SPLIT_MIN_TOKENS = 256  # chunks shorter than this gain nothing from the split (
 
 @register_op("prefill_attention", "cpu")
 def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
-    from dlbatch.engine.ops.reference import prefill_one
-
     out = torch.empty_like(q)
     hk, d = k_cache.shape[-2:]
     kc = k_cache.view(-1, hk, d)
@@ -97,7 +127,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # also returns the log-sum-exp
     for (qs, n, ctx, gather) in meta.prefill:
         if ctx == 0 or window is not None or n < SPLIT_MIN_TOKENS or q.dtype != torch.float32:
-            out[qs:qs + n] = prefill_one(q, k, v, kc, vc, qs, n, ctx, gather, window)
+            out[qs:qs + n] = reference.prefill_one(q, k, v, kc, vc, qs, n, ctx, gather, window)
             continue
         qi = q[qs:qs + n].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
         cached = gather[:ctx]
@@ -117,9 +147,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
 @register_op("paged_decode_attention", "cpu")
 def paged_decode_attention(q, k_cache, v_cache, meta) -> torch.Tensor:
     if getattr(meta, "use_native", True):
-        from dlbatch.engine.ops.native import paged_decode
-
-        out = paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, meta.sliding_window)
+        out = native.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, meta.sliding_window)
         if out is not None:
             return out
     hk, d = k_cache.shape[-2:]

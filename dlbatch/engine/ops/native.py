@@ -1,4 +1,4 @@
-"""CPU ops backed by small C kernels (``_paged_attn.c``, ``_argmax.c``), compiled on first use by
+"""CPU ops backed by small C kernels (``_paged_attn.c``, ``_argmax.c``, ``_fused.c``), compiled on first use by
 :mod:`dlbatch.native`. Unavailable (no compiler, ``DLBATCH_NATIVE=0``, a shape or dtype
 it does not take) -> ``None`` and the caller uses its torch path."""
 from __future__ import annotations
@@ -12,13 +12,7 @@ import torch
 
 log = logging.getLogger("dlbatch.engine")
 
-_SRC = Path(__file__).with_name("_paged_attn.c")
 _LOCK = threading.Lock()
-_LIB = None
-_TRIED = False
-_ARGMAX_SRC = Path(__file__).with_name("_argmax.c")
-_ARGMAX = None
-_ARGMAX_TRIED = False
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -59,18 +53,52 @@ def bind_argmax(L):
     return L
 
 
+def bind_fused(L):
+    """Declare the C signatures of _fused.c's functions on a loaded library; returns it."""
+    L64 = ctypes.c_int64
+    L.dl_rms_norm.restype = None
+    L.dl_rms_norm.argtypes = [_P, L64, _P, L64, _P, L64, _P, L64, _P, L64, L64, ctypes.c_float, _I]
+    L.dl_silu_and_mul.restype = None
+    L.dl_silu_and_mul.argtypes = [_P, L64, _P, L64, L64, L64, _I]
+    L.dl_rotary_store.restype = None
+    L.dl_rotary_store.argtypes = [_P, L64, L64, _P, L64, L64, _P, L64, L64, _P, _P, _P, _P, _P, _I, L64, _I, _I,
+                                  L64, _I]
+    return L
+
+
+class Kernel:
+    """One C file of this package, compiled and bound on first use (by the first thread to
+    ask; the others wait). ``get()`` is the bound library, or None when it cannot be built
+    (logged once): callers then take their torch path."""
+
+    def __init__(self, name: str, bind, what: str):
+        self.src = Path(__file__).with_name(name)
+        self.bind = bind
+        self.what = what
+        self.lib = None
+        self.tried = False
+
+    def get(self):
+        if self.tried:
+            return self.lib
+        with _LOCK:
+            if not self.tried:
+                try:
+                    self.lib = self.bind(_load(self.src))
+                except OSError as e:
+                    log.info("%s unavailable (%s); using the torch implementation", self.what, e)
+                self.tried = True
+        return self.lib
+
+
+DECODE = Kernel("_paged_attn.c", bind_decode, "native CPU paged attention")
+ARGMAX = Kernel("_argmax.c", bind_argmax, "native CPU argmax")
+FUSED = Kernel("_fused.c", bind_fused, "native CPU fused elementwise ops")
+
+
 def lib():
-    global _LIB, _TRIED
-    if _TRIED:
-        return _LIB
-    with _LOCK:
-        if not _TRIED:
-            try:
-                _LIB = bind_decode(_load(_SRC))
-            except OSError as e:
-                log.info("native CPU paged attention unavailable (%s); using the torch implementation", e)
-            _TRIED = True
-    return _LIB
+    """The paged decode attention library, or None."""
+    return DECODE.get()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -101,26 +129,79 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-def _argmax_lib():
-    global _ARGMAX, _ARGMAX_TRIED
-    if _ARGMAX_TRIED:
-        return _ARGMAX
-    with _LOCK:
-        if not _ARGMAX_TRIED:
-            try:
-                _ARGMAX = bind_argmax(_load(_ARGMAX_SRC))
-            except OSError as e:
-                log.info("native CPU argmax unavailable (%s); using torch.argmax", e)
-            _ARGMAX_TRIED = True
-    return _ARGMAX
-
-
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of a 2-D tensor; float32 rows on the CPU go through the C
     kernel (several times faster over a vocabulary: torch's argmax is not vectorised)."""
-    L = _argmax_lib() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
+    L = ARGMAX.get() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
     if L is None or x.shape[0] == 0 or x.shape[1] == 0 or x.stride(1) != 1:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     L.dl_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x as a 2-D float32 CPU tensor of rows with contiguous elements (a view), or None."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 2 or x.stride(-1) != 1:
+        return None
+    if x.dim() == 2:
+        return x
+    return x.view(-1, x.shape[-1]) if x.is_contiguous() else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """rms_norm over the last dim (reference: ops/reference.py); with ``residual``: returns
+    (rms_norm(x + residual), x + residual). None when the kernel cannot take these inputs."""
+    L = FUSED.get()
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else None
+    n = x.shape[-1]
+    if (L is None or x2 is None or (residual is not None and (r2 is None or r2.shape != x2.shape))
+            or weight.dtype != torch.float32 or weight.shape != (n,) or not weight.is_contiguous()):
+        return None
+    rows = x2.shape[0]
+    out = torch.empty((rows, n), dtype=torch.float32)
+    h = torch.empty((rows, n), dtype=torch.float32) if residual is not None else None
+    L.dl_rms_norm(x2.data_ptr(), x2.stride(0), r2.data_ptr() if h is not None else None, r2.stride(0) if h is not None else 0,
+                  h.data_ptr() if h is not None else None, n, out.data_ptr(), n, weight.data_ptr(), rows, n, float(eps),
+                  torch.get_num_threads())
+    if h is None:
+        return out.view(x.shape)
+    return out.view(x.shape), h.view(x.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """silu(x[..., :n]) * x[..., n:] for x (..., 2n); None when the kernel cannot take x."""
+    L = FUSED.get()
+    x2 = _rows(x)
+    if L is None or x2 is None or x.shape[-1] % 2:
+        return None
+    rows, n = x2.shape[0], x.shape[-1] // 2
+    out = torch.empty((rows, n), dtype=torch.float32)
+    L.dl_silu_and_mul(x2.data_ptr(), x2.stride(0), out.data_ptr(), n, rows, n, torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
+
+
+def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots) -> tuple | None:
+    """Rotary on q (T, Hq, D) and k (T, Hkv, D) in place, then k and v into the caches
+    (blocks, block_size, Hkv, D) at ``slots`` (T,); returns (q, k), or None when the kernel
+    cannot take these inputs (nothing is changed then)."""
+    L = FUSED.get()
+    kind = KV_KINDS.get(k_cache.dtype)
+    if L is None or kind is None or v_cache.dtype != k_cache.dtype or q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return None
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if (any(a.dtype != torch.float32 or a.device.type != "cpu" or a.stride(-1) != 1 for a in (q, k, v))
+            or k.shape != (t, hk, d) or v.shape != (t, hk, d) or d % 2 or tuple(k_cache.shape[-2:]) != (hk, d)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape != (t, d) or sin.shape != (t, d)
+            or slots.shape != (t,)):
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    if t:
+        L.dl_rotary_store(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                          v.data_ptr(), v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                          k_cache.data_ptr(), v_cache.data_ptr(), kind, t, hq, hk, d, torch.get_num_threads())
+    return q, k

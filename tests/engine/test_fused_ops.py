@@ -1,0 +1,155 @@
+"""The fused CPU elementwise ops (dlbatch/engine/ops/_fused.c) against the reference ops:
+rms_norm (+ residual), silu_and_mul, rotary + KV store; ragged widths, float32/16/bf16
+caches, skipped slots, row results independent of the batch, both thread builds."""
+import pytest
+import torch
+
+from dlbatch.engine.ops import cpu, native, reference
+
+pytestmark = pytest.mark.skipif(native.FUSED.get() is None,
+                                reason="native kernels unavailable (no C compiler, or DLBATCH_NATIVE=0): the torch path is used")
+
+TOL = dict(rtol=2e-6, atol=2e-6)
+
+
+def _g(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 576), (7, 13), (300, 960), (64, 2048)])
+def test_rms_norm_and_add_rms_norm_match_the_reference(rows, n):
+    g = _g(rows)
+    x, res = torch.randn(rows, n, generator=g) * 3, torch.randn(rows, n, generator=g)
+    w = torch.rand(n, generator=g) + 0.5
+    out = native.rms_norm(x, w, 1e-5)
+    assert out is not None
+    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-5), **TOL)
+    got, h = native.rms_norm(x, w, 1e-6, res)
+    want, want_h = reference.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(h, want_h)  # one addition: the same bits
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(x, x.clone()) and h.data_ptr() != res.data_ptr()  # inputs are not written
+
+
+def test_rms_norm_takes_strided_rows_and_declines_what_it_cannot():
+    g = _g(1)
+    qkv = torch.randn(9, 96, generator=g)
+    x = qkv[:, 16:80]  # rows 96 floats apart
+    w = torch.rand(64, generator=g)
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), **TOL)
+    heads = qkv[:, :64].view(9, 4, 16)  # per-head norm (qk_norm): not rows of one stride
+    assert native.rms_norm(heads, w[:16], 1e-6) is None
+    torch.testing.assert_close(cpu.rms_norm(heads, w[:16], 1e-6), reference.rms_norm(heads, w[:16], 1e-6), **TOL)
+    assert native.rms_norm(x.bfloat16(), w.bfloat16(), 1e-6) is None
+    assert native.rms_norm(x, w[:10], 1e-6) is None
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1536), (5, 11), (200, 1536)])
+def test_silu_and_mul_matches_the_reference(rows, n):
+    g = _g(n)
+    x = torch.randn(rows, 2 * n, generator=g) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, -87.5, 89.0])  # exp's clamps: silu -> -0, x; no inf/nan
+    got = native.silu_and_mul(x)
+    assert got is not None and torch.isfinite(got).all()
+    torch.testing.assert_close(got, reference.silu_and_mul(x), rtol=4e-6, atol=1e-6)
+    assert native.silu_and_mul(x[:, :-1]) is None  # odd width
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """A row computed alone gives the bits it gives inside a big, multi-threaded call."""
+    g = _g(2)
+    x, res = torch.randn(400, 576, generator=g), torch.randn(400, 576, generator=g)
+    w = torch.rand(576, generator=g)
+    big, big_h = native.rms_norm(x, w, 1e-5, res)
+    up = torch.randn(400, 3072, generator=g)
+    act = native.silu_and_mul(up)
+    for i in (0, 17, 399):
+        one, one_h = native.rms_norm(x[i:i + 1], w, 1e-5, res[i:i + 1])
+        assert torch.equal(one, big[i:i + 1]) and torch.equal(one_h, big_h[i:i + 1])
+        assert torch.equal(native.silu_and_mul(up[i:i + 1]), act[i:i + 1])
+
+
+def _rotary_case(t: int, hq: int, hk: int, d: int, blocks: int = 12, bs: int = 16, seed: int = 0):
+    blocks = max(blocks, t // bs + 2)
+    g = _g(seed)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    ang = torch.rand(t, d // 2, generator=g) * 50
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    slots = torch.randperm(blocks * bs, generator=g)[:t]
+    return q, k, v, cos, sin, slots, (blocks, bs, hk, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,hq,hk,d", [(1, 9, 3, 64), (37, 4, 2, 80), (300, 8, 8, 20)])
+def test_rotary_store_matches_the_reference(dtype, t, hq, hk, d):
+    q, k, v, cos, sin, slots, shape = _rotary_case(t, hq, hk, d)
+    kc_ref, vc_ref = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    want_q, want_k = reference.rotary_store_kv(q.clone(), k.clone(), v.clone(), cos, sin, kc_ref, vc_ref, slots)
+    kc, vc = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    v_before = v.clone()
+    got = native.rotary_store_kv(q, k, v, cos, sin, kc, vc, slots)
+    assert got is not None and got[0] is q and got[1] is k  # in place, into the projection's output
+    torch.testing.assert_close(q, want_q, **TOL)
+    torch.testing.assert_close(k, want_k, **TOL)
+    assert torch.equal(v, v_before)
+    assert torch.equal(vc, vc_ref)  # v is only converted: the same rounding as torch's .to()
+    if dtype == torch.float32:
+        torch.testing.assert_close(kc, kc_ref, **TOL)
+    else:  # k from (nearly) the same floats, rounded once
+        assert torch.equal(kc, k.to(dtype).new_zeros(shape).view(-1, hk, d).index_copy_(0, slots, k.to(dtype)).view(shape))
+        torch.testing.assert_close(kc.float(), kc_ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_rotary_store_skips_negative_slots_and_rounds_bf16_as_torch():
+    q, k, v, cos, sin, slots, shape = _rotary_case(6, 2, 2, 16)
+    slots[2] = -1
+    v[0, 0, :4] = torch.tensor([float("nan"), 1.00390625, 1.01171875, -3.0e38])  # ties to even, NaN
+    kc, vc = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+    native.rotary_store_kv(q, k, v, cos, sin, kc, vc, slots)
+    flat = vc.view(-1, 2, 16)
+    keep = slots >= 0
+    want = v[keep].to(torch.bfloat16)
+    got = flat[slots[keep]]
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0), want.nan_to_num(0))
+    assert int(vc.float().nan_to_num(1.0).view(vc.shape[0] * vc.shape[1], -1).ne(0).any(-1).sum()) == int(keep.sum())  # none for slot -1
+
+
+def test_rotary_store_declines_what_it_cannot_and_leaves_it_untouched():
+    q, k, v, cos, sin, slots, shape = _rotary_case(4, 2, 1, 16)
+    kc, vc = torch.zeros(shape), torch.zeros(shape)
+    q0 = q.clone()
+    assert native.rotary_store_kv(q.bfloat16(), k.bfloat16(), v.bfloat16(), cos.bfloat16(), sin.bfloat16(),
+                                  kc, vc, slots) is None
+    assert native.rotary_store_kv(q, k, v, cos[:3], sin[:3], kc, vc, slots) is None
+    assert torch.equal(q, q0) and not kc.any()
+
+
+def test_posix_build_gives_the_openmp_bits(monkeypatch):
+    from dlbatch.native import load
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    g = _g(4)
+    x, res, w = torch.randn(300, 576, generator=g), torch.randn(300, 576, generator=g), torch.rand(576, generator=g)
+    up = torch.randn(300, 3072, generator=g)
+    q, k, v, cos, sin, slots, shape = _rotary_case(300, 9, 3, 64, blocks=40)
+    omp = [*native.rms_norm(x, w, 1e-5, res), native.silu_and_mul(up)]
+    kc, vc = torch.zeros(shape), torch.zeros(shape)
+    omp += [*native.rotary_store_kv(q.clone(), k.clone(), v, cos, sin, kc, vc, slots), kc, vc]
+    posix = native.bind_fused(load(native.FUSED.src, native.POSIX_FLAGS))
+    assert posix._name != native.FUSED.get()._name
+    monkeypatch.setattr(native.FUSED, "lib", posix)
+    got = [*native.rms_norm(x, w, 1e-5, res), native.silu_and_mul(up)]
+    kc2, vc2 = torch.zeros(shape), torch.zeros(shape)
+    got += [*native.rotary_store_kv(q.clone(), k.clone(), v, cos, sin, kc2, vc2, slots), kc2, vc2]
+    assert all(torch.equal(a, b) for a, b in zip(omp, got))
+
+
+def test_cpu_ops_choose_the_fused_kernels():
+    from dlbatch.engine.ops.registry import get_ops
+
+    chosen = get_ops("cpu").chosen
+    assert {chosen[n] for n in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_store_kv")} == {"cpu"}
