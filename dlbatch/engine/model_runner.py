@@ -115,6 +115,18 @@ class ModelRunner:
             gens.append(s.generator)
         return self.model.ops.sample(logits, temp, top_p, top_k, gens, False).tolist()
 
+    def prefault_kv_cache(self) -> int:
+        """Write one byte of every 4 KiB page of a CPU cache, keeping its value: the pages the
+        OS maps lazily (see _zeros) are backed now instead of by the first steps that reach
+        them. For benchmarks beside engines that zero their whole cache at start-up (first
+        touch of fresh memory is slow in some VMs, docs/benchmarks.md); an engine never calls
+        it. Returns the bytes of the cache (0 on other devices: nothing done)."""
+        if self.kv_cache.device.type != "cpu":
+            return 0
+        raw = self.kv_cache.view(-1).view(torch.uint8)
+        raw[::4096].bitwise_or_(0)
+        return raw.numel()
+
     # ---- KV export / import (prefill/decode disaggregation) ------------------------------
     def _export_index(self, seq, num_tokens: int) -> torch.Tensor:
         return self._slots(seq.block_table, 0, num_tokens)

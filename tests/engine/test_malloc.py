@@ -42,3 +42,33 @@ def test_engine_keeps_freed_memory_and_faults_less(sample_model):
     assert kept["kept"] and not alone["kept"]
     assert kept["tokens"] == alone["tokens"]
     assert kept["faults"] * 4 < alone["faults"], (kept["faults"], alone["faults"])
+
+
+def test_prefault_backs_every_page_of_the_kv_cache_and_keeps_its_bytes(tmp_path):
+    """The benches' prefault (ModelRunner.prefault_kv_cache) page-faults the lazily mapped
+    cache in once, and changes no byte of what the engine already wrote there."""
+    import resource
+
+    import torch
+
+    from dlbatch.engine.llm import LLM
+    from dlbatch.engine.sampling_params import SamplingParams
+    from tests.tiny_models import make_tiny_model
+
+    path = str(tmp_path / "m")
+    make_tiny_model("llama", path)
+    llm = LLM(path, dtype="float32", max_model_len=256, chat=False, num_kv_blocks=8192)
+    runner = llm.engine.runner
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate([[5, 6, 7, 8] * 20], sp)]
+    before = runner.kv_cache.clone()
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    nbytes = runner.prefault_kv_cache()
+    f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    runner.prefault_kv_cache()
+    f2 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert nbytes == runner.kv_cache.numel() * 4 and nbytes >= 64 << 20
+    assert torch.equal(runner.kv_cache, before)
+    assert f1 - f0 >= nbytes // (4 << 20), (f1 - f0, nbytes)  # at least one fault per 2 MiB huge page, half used
+    assert f2 - f1 < (f1 - f0) / 4, (f1 - f0, f2 - f1)  # the second pass finds the pages there
+    assert [o.token_ids for o in llm.generate([[5, 6, 7, 8] * 20], sp)] == want
