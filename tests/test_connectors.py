@@ -354,7 +354,8 @@ def test_rows_round_trip_through_sink(corpus, tmp_path):
 def test_reading_committed_parts_never_aborts_the_process_at_exit(tmp_path):
     """Regression: pyarrow's read_table freed the Python bytes it read from on an Arrow thread
     after returning; racing interpreter exit, that aborted ~1 process in 3 (exit 134, e.g. a
-    no-op rerun of a finished job). Each subprocess reads the committed parts and exits."""
+    no-op rerun of a finished job); with Arrow's CPU pool decoding the columns, ~1 in 80 still
+    did. Each subprocess reads the committed parts and exits."""
     import subprocess
     import sys
 
@@ -368,5 +369,5 @@ def test_reading_committed_parts_never_aborts_the_process_at_exit(tmp_path):
     code = ("import sys; from connectors.sink import read_committed; "
             "t = read_committed(sys.argv[1]); assert t.num_rows == 200, t.num_rows")
     rcs = [subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True).returncode
-           for _ in range(12)]
-    assert rcs == [0] * 12, rcs
+           for _ in range(40)]
+    assert rcs == [0] * 40, rcs
