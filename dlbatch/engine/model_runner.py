@@ -37,12 +37,14 @@ class ModelRunner:
         # the KV cache may be stored narrower than the model computes (kv_cache_dtype): the
         # ops convert on store and on read; the native CPU kernel widens rows as it loads them
         kv_dtype = kv_dtype or model.dtype
-        # the native CPU kernel (dlbatch/engine/ops/_paged_attn.c) takes float32 queries
+        # the native CPU kernel (dlbatch/engine/ops/_paged_attn.c) computes in float32, from
+        # queries of the model's dtype and a cache of float32, float16 or bfloat16
         self.use_native = False
-        if model.ops.chosen.get("paged_decode_attention") == "cpu" and model.dtype == torch.float32:
+        if model.ops.chosen.get("paged_decode_attention") == "cpu":
             from dlbatch.engine.ops import native
 
-            self.use_native = native.lib() is not None and kv_dtype in native.KV_KINDS
+            self.use_native = (native.lib() is not None and kv_dtype in native.KV_KINDS
+                               and model.dtype in native.KV_KINDS)
         self.masker = None  # engine/constraint.py ConstraintMasker, set by the engine
         self.kv_cache = _zeros(
             (2, mconf.num_layers, num_blocks, econf.block_size, mconf.num_kv_heads, mconf.head_dim),

@@ -141,8 +141,20 @@ def test_native_declines_what_it_does_not_take():
     q, kc, vc, meta = _case(4, 2, 12, [7])  # head_dim not a multiple of 8
     assert native.paged_decode(q, kc, vc, meta.decode_block_tables, meta.decode_lens) is None
     q, kc, vc, meta = _case(4, 2, 16, [7])
-    assert native.paged_decode(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), meta.decode_block_tables,
-                               meta.decode_lens) is None  # bf16 queries: the model computes in bf16
+    assert native.paged_decode(q.double(), kc, vc, meta.decode_block_tables, meta.decode_lens) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_queries_are_computed_in_float32(dtype):
+    """A model computing in bf16 (a CPU with AMX) or fp16: its queries are widened, the
+    kernel runs in float32 over the cache, and the output is rounded once to the dtype."""
+    q, kc, vc, meta = _case(9, 3, 64, [3, 200, 513], 16)
+    qh, kh, vh = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    got = native.paged_decode(qh, kh, vh, meta.decode_block_tables, meta.decode_lens)
+    assert got is not None and got.dtype == dtype
+    want = native.paged_decode(qh.float(), kh, vh, meta.decode_block_tables, meta.decode_lens)
+    assert torch.equal(got, want.to(dtype))
+    torch.testing.assert_close(got.float(), reference(qh.float(), kh.float(), vh.float(), meta), rtol=1e-2, atol=1e-2)
 
 
 def test_engine_uses_native_kernel_and_stays_exact(tmp_path):

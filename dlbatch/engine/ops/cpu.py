@@ -126,7 +126,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
     g = q.shape[1] // hk
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # also returns the log-sum-exp
     for (qs, n, ctx, gather) in meta.prefill:
-        if ctx == 0 or window is not None or n < SPLIT_MIN_TOKENS or q.dtype != torch.float32:
+        if ctx == 0 or window is not None or n < SPLIT_MIN_TOKENS:
             out[qs:qs + n] = reference.prefill_one(q, k, v, kc, vc, qs, n, ctx, gather, window)
             continue
         qi = q[qs:qs + n].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
@@ -139,8 +139,9 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
         o_n, lse_n = flash(qi, kn, vn, 0.0, True)[:2]
         m = torch.maximum(lse_p, lse_n)
         w_p, w_n = torch.exp(lse_p - m), torch.exp(lse_n - m)
-        o = (o_p * w_p.unsqueeze(-1) + o_n * w_n.unsqueeze(-1)) / (w_p + w_n).unsqueeze(-1)
-        out[qs:qs + n] = o.squeeze(0).transpose(0, 1)
+        # merged in float32 (the log-sum-exps are float32 whatever q's dtype), rounded once
+        o = (o_p.float() * w_p.unsqueeze(-1) + o_n.float() * w_n.unsqueeze(-1)) / (w_p + w_n).unsqueeze(-1)
+        out[qs:qs + n] = o.squeeze(0).transpose(0, 1).to(q.dtype)
     return out
 
 

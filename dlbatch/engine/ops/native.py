@@ -103,15 +103,20 @@ def lib():
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  lens: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
-    """q (B, Hq, D) float32; caches (blocks, block_size, Hkv, D) contiguous, float32,
-    float16 or bfloat16; block_tables (B, nb) int64; lens (B,) int64 context lengths.
-    None when the kernel cannot take these inputs."""
+    """q (B, Hq, D) float32, float16 or bfloat16; caches (blocks, block_size, Hkv, D)
+    contiguous, float32, float16 or bfloat16; block_tables (B, nb) int64; lens (B,) int64
+    context lengths. The kernel computes in float32: half-precision queries are widened
+    and the output rounded back to their dtype (a model computing in bf16 on a CPU with
+    AMX). None when the kernel cannot take these inputs."""
     L = lib()
     kind = KV_KINDS.get(k_cache.dtype)
-    if L is None or kind is None or q.dtype != torch.float32 or q.device.type != "cpu":
+    if L is None or kind is None or q.dtype not in KV_KINDS or q.device.type != "cpu":
         return None
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.dtype != k_cache.dtype:
         return None
+    if q.dtype != torch.float32:
+        out = paged_decode(q.float(), k_cache, v_cache, block_tables, lens, window)
+        return None if out is None else out.to(q.dtype)
     q = q.contiguous()
     bt = block_tables.to(torch.int64)
     bt = bt if bt.stride(1) == 1 else bt.contiguous()
