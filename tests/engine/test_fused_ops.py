@@ -40,7 +40,7 @@ def test_rms_norm_takes_strided_rows_and_declines_what_it_cannot():
     heads = qkv[:, :64].view(9, 4, 16)  # per-head norm (qk_norm): not rows of one stride
     assert native.rms_norm(heads, w[:16], 1e-6) is None
     torch.testing.assert_close(cpu.rms_norm(heads, w[:16], 1e-6), reference.rms_norm(heads, w[:16], 1e-6), **TOL)
-    assert native.rms_norm(x.bfloat16(), w.bfloat16(), 1e-6) is None
+    assert native.rms_norm(x.bfloat16(), w.bfloat16(), 1e-6) is None  # half precision: the reference is faster
     assert native.rms_norm(x, w[:10], 1e-6) is None
 
 
@@ -122,10 +122,30 @@ def test_rotary_store_declines_what_it_cannot_and_leaves_it_untouched():
     q, k, v, cos, sin, slots, shape = _rotary_case(4, 2, 1, 16)
     kc, vc = torch.zeros(shape), torch.zeros(shape)
     q0 = q.clone()
-    assert native.rotary_store_kv(q.bfloat16(), k.bfloat16(), v.bfloat16(), cos.bfloat16(), sin.bfloat16(),
+    assert native.rotary_store_kv(q.double(), k.double(), v.double(), cos.double(), sin.double(),
                                   kc, vc, slots) is None
+    assert native.rotary_store_kv(q, k, v, cos.bfloat16(), sin.bfloat16(), kc, vc, slots) is None
     assert native.rotary_store_kv(q, k, v, cos[:3], sin[:3], kc, vc, slots) is None
     assert torch.equal(q, q0) and not kc.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rotary_rounds_where_the_reference_rounds(dtype):
+    """A model computing in bf16 (AMX CPUs) or fp16: widened to float32, each product and sum
+    rounded where the reference's chain of half-precision ops rounds: the same bits."""
+    q, k, v, cos, sin, slots, shape = _rotary_case(50, 9, 3, 64)
+    q, k, v, cos, sin = (t.to(dtype) for t in (q, k, v, cos, sin))
+    kc_ref, vc_ref = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    want_q, want_k = reference.rotary_store_kv(q.clone(), k.clone(), v.clone(), cos, sin, kc_ref, vc_ref, slots)
+    kc, vc = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    assert native.rotary_store_kv(q, k, v, cos, sin, kc, vc, slots) is not None
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    kf, vf = torch.zeros(shape), torch.zeros(shape)  # a float32 cache under a half-precision model: widened exactly
+    native.rotary_store_kv(want_q.clone(), k.clone(), v, cos, sin, kf, vf, slots)
+    assert torch.equal(vf, vc_ref.float())
+    x = torch.randn(4, 64).to(dtype)
+    assert native.rms_norm(x, torch.ones(64, dtype=dtype), 1e-6) is None and native.silu_and_mul(x) is None
 
 
 def test_posix_build_gives_the_openmp_bits(monkeypatch):

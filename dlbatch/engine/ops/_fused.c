@@ -7,9 +7,14 @@
  *   dl_silu_and_mul   out = silu(x[:, :n]) * x[:, n:]
  *   dl_rotary_store   rotary (rotate-half form) on q and k in place, then k and v written to
  *                     their cache slots (float32, float16 or bfloat16; a slot < 0 is skipped)
- * The arithmetic per element is the reference's (same operations in the same order; the
- * compiler may fuse a multiply and an add, and the squares are summed in another order),
- * and every row is computed alone: a row's result never depends on the other rows of the
+ * Activations are float32; rotary also takes float16/bfloat16 (a model computing in half
+ * precision on a CPU with AMX): widened to float32, each product and sum rounded (to nearest
+ * even, as torch rounds) where the reference's chain of half-precision ops rounds, so the
+ * results are the reference's bit for bit. (Element by element, these half-precision loops
+ * were slower than torch's for rms_norm and silu_and_mul, which keep the reference there.)
+ * In float32 the arithmetic per element is the reference's (the compiler may fuse a multiply
+ * and an add; the squares are summed in another order), on vectors of W floats.
+ * Every row is computed alone: a row's result never depends on the other rows of the
  * call (a resumed sampling job batches differently and must draw the same tokens).
  * Rows are split over `nthreads` OpenMP threads (torch's own workers, as in
  * _paged_attn.c) when a call is big enough to pay for waking them; built without OpenMP,
@@ -63,6 +68,51 @@ static inline vf vexp(vf x) {
 static inline vf ld_part(const float *p, int64_t n) { vf v = {0}; memcpy(&v, p, (size_t)n * 4); return v; }
 static inline void st_part(float *p, vf v, int64_t n) { memcpy(p, &v, (size_t)n * 4); }
 
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+#define AI static inline __attribute__((always_inline))
+
+/* element i of a row of `kind` as float32, and back (rounded to nearest even as torch rounds) */
+AI float get1(const void *p, int64_t i, const int kind) {
+    if (kind == KV_F32) return ((const float *)p)[i];
+    if (kind == KV_F16) return (float)((const _Float16 *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+AI void put1(void *p, int64_t i, float v, const int kind) {
+    if (kind == KV_F32) {
+        ((float *)p)[i] = v;
+    } else if (kind == KV_F16) {
+        ((_Float16 *)p)[i] = (_Float16)v;
+    } else {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        ((uint16_t *)p)[i] = isnan(v) ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+/* v rounded to `kind`'s precision (what a half-precision torch op stores) */
+AI float rnd(float v, const int kind) {
+    if (kind == KV_F32) return v;
+    if (kind == KV_F16) {  /* through memory: GCC's default -fexcess-precision=fast may skip a cast's rounding */
+        volatile _Float16 h = (_Float16)v;
+        return (float)h;
+    }
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u = isnan(v) ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* n elements from a row of kind sk to a row of kind dk */
+static void copy_row(void *dst, const int dk, const void *src, const int sk, int64_t n) {
+    if (dk == sk) { memcpy(dst, src, (size_t)n * (dk == KV_F32 ? 4 : 2)); return; }
+    for (int64_t i = 0; i < n; i++) put1(dst, i, get1(src, i, sk), dk);
+}
+
 static void norm_row(const float *x, const float *res, float *h, float *out, const float *w, int64_t n, float eps) {
     vf acc = {0};
     float tail = 0.0f;
@@ -109,25 +159,6 @@ void dl_silu_and_mul(const float *x, int64_t xs, float *out, int64_t os, int64_t
     }
 }
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
-
-/* n floats to the cache row at dst in its format, rounded to nearest even as torch does */
-static void put_row(void *dst, const float *src, int64_t n, int kind) {
-    if (kind == KV_F32) {
-        memcpy(dst, src, (size_t)n * 4);
-    } else if (kind == KV_F16) {
-        _Float16 *d = (_Float16 *)dst;
-        for (int64_t i = 0; i < n; i++) d[i] = (_Float16)src[i];
-    } else {
-        uint16_t *d = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t u;
-            memcpy(&u, src + i, 4);
-            d[i] = isnan(src[i]) ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-        }
-    }
-}
-
 /* one head of `d` floats at p: a = p[:d/2], b = p[d/2:] -> (a*c1 - b*s1, b*c2 + a*s2) */
 static inline void rotate(float *p, const float *c, const float *s, int64_t half) {
     int64_t i = 0;
@@ -143,27 +174,44 @@ static inline void rotate(float *p, const float *c, const float *s, int64_t half
     }
 }
 
-/* token t: q heads at q + t * sq_t + h * sq_h (k, v likewise), cos and sin rows of d floats
- * at cos + t * d; the cache row of (slot, kv head h) at element slot * Hkv * d + h * d */
-void dl_rotary_store(float *q, int64_t sq_t, int64_t sq_h, float *k, int64_t sk_t, int64_t sk_h,
-                     const float *v, int64_t sv_t, int64_t sv_h, const float *cos, const float *sin,
+/* rotate() for a half-precision head (kind k): each product rounded, then their sum, as the
+ * reference's q * cos + rotate_half(q) * sin rounds */
+AI void rotate_h(void *p, const void *c, const void *s, int64_t half, const int k) {
+    for (int64_t i = 0; i < half; i++) {
+        const float a = get1(p, i, k), b = get1(p, half + i, k);
+        put1(p, i, rnd(a * get1(c, i, k), k) - rnd(b * get1(s, i, k), k), k);
+        put1(p, half + i, rnd(b * get1(c, half + i, k), k) + rnd(a * get1(s, half + i, k), k), k);
+    }
+}
+
+static void rotate_any(void *p, const void *c, const void *s, int64_t half, int ak) {
+    if (ak == KV_F32) rotate((float *)p, (const float *)c, (const float *)s, half);
+    else if (ak == KV_BF16) rotate_h(p, c, s, half, KV_BF16);
+    else rotate_h(p, c, s, half, KV_F16);
+}
+
+/* token t: q heads at q + t * sq_t + h * sq_h elements (k, v likewise), cos and sin rows of d
+ * elements at cos + t * d, all of kind `ak`; the cache (kind `kind`) row of (slot, kv head h)
+ * at element slot * Hkv * d + h * d */
+void dl_rotary_store(void *q, int64_t sq_t, int64_t sq_h, void *k, int64_t sk_t, int64_t sk_h,
+                     const void *v, int64_t sv_t, int64_t sv_h, const void *cos, const void *sin,
                      const int64_t *slots, void *kc, void *vc, int kind, int64_t T, int hq, int hk, int64_t d,
-                     int nthreads) {
+                     int ak, int nthreads) {
     const int64_t half = d / 2;
-    const size_t esize = kind == KV_F32 ? 4 : 2;
+    const size_t esize = kind == KV_F32 ? 4 : 2, ae = ak == KV_F32 ? 4 : 2;
     const int nt = threads_for(T, (int64_t)(hq + 2 * hk) * d, nthreads);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t t = 0; t < T; t++) {
-        const float *c = cos + t * d, *s = sin + t * d;
-        for (int h = 0; h < hq; h++) rotate(q + t * sq_t + h * sq_h, c, s, half);
+        const char *c = (const char *)cos + t * d * ae, *s = (const char *)sin + t * d * ae;
+        for (int h = 0; h < hq; h++) rotate_any((char *)q + (t * sq_t + h * sq_h) * ae, c, s, half, ak);
         const int64_t slot = slots[t];
         for (int h = 0; h < hk; h++) {
-            float *kp = k + t * sk_t + h * sk_h;
-            rotate(kp, c, s, half);
+            char *kp = (char *)k + (t * sk_t + h * sk_h) * ae;
+            rotate_any(kp, c, s, half, ak);
             if (slot < 0) continue;
             const size_t row = ((size_t)slot * (size_t)hk + (size_t)h) * (size_t)d * esize;
-            put_row((char *)kc + row, kp, d, kind);
-            put_row((char *)vc + row, v + t * sv_t + h * sv_h, d, kind);
+            copy_row((char *)kc + row, kind, kp, ak, d);
+            copy_row((char *)vc + row, kind, (const char *)v + (t * sv_t + h * sv_h) * ae, ak, d);
         }
     }
 }

@@ -62,7 +62,7 @@ def bind_fused(L):
     L.dl_silu_and_mul.argtypes = [_P, L64, _P, L64, L64, L64, _I]
     L.dl_rotary_store.restype = None
     L.dl_rotary_store.argtypes = [_P, L64, L64, _P, L64, L64, _P, L64, L64, _P, _P, _P, _P, _P, _I, L64, _I, _I,
-                                  L64, _I]
+                                  L64, _I, _I]
     return L
 
 
@@ -161,12 +161,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     x2 = _rows(x)
     r2 = _rows(residual) if residual is not None else None
     n = x.shape[-1]
-    if (L is None or x2 is None or (residual is not None and (r2 is None or r2.shape != x2.shape))
-            or weight.dtype != torch.float32 or weight.shape != (n,) or not weight.is_contiguous()):
+    if (L is None or x2 is None or (residual is not None and (r2 is None or r2.shape != x2.shape
+                                                                or r2.dtype != x.dtype))
+            or weight.dtype != x.dtype or weight.shape != (n,) or not weight.is_contiguous()):
         return None
     rows = x2.shape[0]
-    out = torch.empty((rows, n), dtype=torch.float32)
-    h = torch.empty((rows, n), dtype=torch.float32) if residual is not None else None
+    out = torch.empty((rows, n), dtype=x.dtype)
+    h = torch.empty((rows, n), dtype=x.dtype) if residual is not None else None
     L.dl_rms_norm(x2.data_ptr(), x2.stride(0), r2.data_ptr() if h is not None else None, r2.stride(0) if h is not None else 0,
                   h.data_ptr() if h is not None else None, n, out.data_ptr(), n, weight.data_ptr(), rows, n, float(eps),
                   torch.get_num_threads())
@@ -182,13 +183,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     if L is None or x2 is None or x.shape[-1] % 2:
         return None
     rows, n = x2.shape[0], x.shape[-1] // 2
-    out = torch.empty((rows, n), dtype=torch.float32)
+    out = torch.empty((rows, n), dtype=x.dtype)
     L.dl_silu_and_mul(x2.data_ptr(), x2.stride(0), out.data_ptr(), n, rows, n, torch.get_num_threads())
     return out.view(*x.shape[:-1], n)
 
 
 def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots) -> tuple | None:
-    """Rotary on q (T, Hq, D) and k (T, Hkv, D) in place, then k and v into the caches
+    """Rotary on q (T, Hq, D) and k (T, Hkv, D) in place (float32, float16 or bfloat16, with
+    cos and sin of the same dtype), then k and v into the caches
     (blocks, block_size, Hkv, D) at ``slots`` (T,); returns (q, k), or None when the kernel
     cannot take these inputs (nothing is changed then)."""
     L = FUSED.get()
@@ -197,16 +199,18 @@ def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots) -> tuple | None:
         return None
     t, hq, d = q.shape
     hk = k.shape[1]
-    if (any(a.dtype != torch.float32 or a.device.type != "cpu" or a.stride(-1) != 1 for a in (q, k, v))
+    if (q.dtype not in KV_KINDS
+            or any(a.dtype != q.dtype or a.device.type != "cpu" for a in (k, v, cos, sin))
+            or any(a.stride(-1) != 1 for a in (q, k, v))
             or k.shape != (t, hk, d) or v.shape != (t, hk, d) or d % 2 or tuple(k_cache.shape[-2:]) != (hk, d)
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape != (t, d) or sin.shape != (t, d)
-            or slots.shape != (t,)):
+            or cos.shape != (t, d) or sin.shape != (t, d) or slots.shape != (t,)):
         return None
     cos, sin = cos.contiguous(), sin.contiguous()
     slots = slots.to(torch.int64).contiguous()
     if t:
         L.dl_rotary_store(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
                           v.data_ptr(), v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                          k_cache.data_ptr(), v_cache.data_ptr(), kind, t, hq, hk, d, torch.get_num_threads())
+                          k_cache.data_ptr(), v_cache.data_ptr(), kind, t, hq, hk, d, KV_KINDS[q.dtype],
+                          torch.get_num_threads())
     return q, k
