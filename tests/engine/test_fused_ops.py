@@ -40,7 +40,8 @@ def test_rms_norm_takes_strided_rows_and_declines_what_it_cannot():
     heads = qkv[:, :64].view(9, 4, 16)  # per-head norm (qk_norm): not rows of one stride
     assert native.rms_norm(heads, w[:16], 1e-6) is None
     torch.testing.assert_close(cpu.rms_norm(heads, w[:16], 1e-6), reference.rms_norm(heads, w[:16], 1e-6), **TOL)
-    assert native.rms_norm(x.bfloat16(), w.bfloat16(), 1e-6) is None  # half precision: the reference is faster
+    assert native.rms_norm(x.half(), w.half(), 1e-6) is None  # float16 rows: the reference
+    assert native.rms_norm(x.bfloat16(), w, 1e-6) is None  # a weight of another dtype
     assert native.rms_norm(x, w[:10], 1e-6) is None
 
 
@@ -144,8 +145,34 @@ def test_half_precision_rotary_rounds_where_the_reference_rounds(dtype):
     kf, vf = torch.zeros(shape), torch.zeros(shape)  # a float32 cache under a half-precision model: widened exactly
     native.rotary_store_kv(want_q.clone(), k.clone(), v, cos, sin, kf, vf, slots)
     assert torch.equal(vf, vc_ref.float())
-    x = torch.randn(4, 64).to(dtype)
-    assert native.rms_norm(x, torch.ones(64, dtype=dtype), 1e-6) is None and native.silu_and_mul(x) is None
+
+
+def test_bf16_rows_round_where_the_reference_rounds():
+    """rms_norm (+ residual) of a bf16 model: widened, each result rounded where the
+    reference's bf16 chain rounds. The squares summed in another order may move a result by a
+    unit or two in the last place (a rounded product of a value one unit off); nearly all are
+    the same bits, and the residual sum always is."""
+    def same_but_last_bits(got, want):
+        assert got.dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-6)
+        assert (got == want).float().mean().item() >= 0.99
+
+    g = _g(5)
+    x = (torch.randn(300, 963, generator=g) * 3).bfloat16()  # a width that is no multiple of 8
+    res = torch.randn(300, 963, generator=g).bfloat16()
+    w = (torch.rand(963, generator=g) + 0.5).bfloat16()
+    same_but_last_bits(native.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5))
+    got, h = native.rms_norm(x, w, 1e-5, res)
+    want, want_h = reference.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(h, want_h)
+    same_but_last_bits(got, want)
+    assert native.silu_and_mul(torch.randn(4, 64).bfloat16()) is None  # bf16: torch's is faster
+    x[5, 3] = float("nan")
+    assert native.rms_norm(x, w, 1e-5)[5].isnan().all() and not native.rms_norm(x, w, 1e-5)[6].isnan().any()
+    one = native.rms_norm(x[7:8], w, 1e-5, res[7:8])  # a row alone: the bits it has in the batch
+    assert torch.equal(one[0], native.rms_norm(x, w, 1e-5, res)[0][7:8])
+    x16 = torch.randn(4, 64).half()
+    assert native.rms_norm(x16, torch.ones(64).half(), 1e-6) is None and native.silu_and_mul(x16) is None
 
 
 def test_posix_build_gives_the_openmp_bits(monkeypatch):

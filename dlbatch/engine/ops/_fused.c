@@ -7,13 +7,15 @@
  *   dl_silu_and_mul   out = silu(x[:, :n]) * x[:, n:]
  *   dl_rotary_store   rotary (rotate-half form) on q and k in place, then k and v written to
  *                     their cache slots (float32, float16 or bfloat16; a slot < 0 is skipped)
- * Activations are float32; rotary also takes float16/bfloat16 (a model computing in half
- * precision on a CPU with AMX): widened to float32, each product and sum rounded (to nearest
- * even, as torch rounds) where the reference's chain of half-precision ops rounds, so the
- * results are the reference's bit for bit. (Element by element, these half-precision loops
- * were slower than torch's for rms_norm and silu_and_mul, which keep the reference there.)
- * In float32 the arithmetic per element is the reference's (the compiler may fuse a multiply
- * and an add; the squares are summed in another order), on vectors of W floats.
+ * Activations are float32; rms_norm also takes bfloat16 and rotary float16/bfloat16 (a model
+ * computing in half precision on a CPU with AMX). Half precision is widened to float32 and
+ * each result rounded (to nearest even, as torch rounds) where the reference's chain of
+ * half-precision ops rounds: rotary gives the reference's bits, rms_norm may differ in the
+ * last place (squares summed in another order). In float32 the arithmetic per element is the
+ * reference's (the compiler may fuse a multiply and an add; the squares are summed in another
+ * order). rms_norm and silu_and_mul run on vectors of W floats, rotary's half precision
+ * element by element (its rows are short). A bf16 silu_and_mul here ran slower than torch's
+ * (docs/benchmarks.md), so bf16 models keep the reference for it.
  * Every row is computed alone: a row's result never depends on the other rows of the
  * call (a resumed sampling job batches differently and must draw the same tokens).
  * Rows are split over `nthreads` OpenMP threads (torch's own workers, as in
@@ -135,13 +137,59 @@ static void norm_row(const float *x, const float *res, float *h, float *out, con
     for (; i < n; i++) out[i] = w[i] * (src[i] * r);
 }
 
-/* rows of n floats: x row r at x + r * xs (res, h likewise; res and h NULL for plain rms_norm) */
-void dl_rms_norm(const float *x, int64_t xs, const float *res, int64_t rs, float *h, int64_t hs,
-                 float *out, int64_t os, const float *w, int64_t rows, int64_t n, float eps, int nthreads) {
+/* bfloat16 rows on vectors: W elements widened (a shift), and rounded back to nearest even
+ * (NaN stays NaN) as torch rounds; the last n < W elements of a row through a zeroed buffer */
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+
+static inline vf ldb(const void *p) { vh h; memcpy(&h, p, sizeof h); return (vf)(__builtin_convertvector(h, vu) << 16); }
+static inline vf rndb(vf x) {
+    const vu u = (vu)x, r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    return sel(x != x, (vf)((vu){0} + 0x7FC00000u), (vf)r);
+}
+static inline void stb(void *p, vf x) { vh h = __builtin_convertvector((vu)rndb(x) >> 16, vh); memcpy(p, &h, sizeof h); }
+static inline vf ldb_n(const void *p, int64_t n) { uint16_t t[W] = {0}; memcpy(t, p, (size_t)n * 2); return ldb(t); }
+static inline void stb_n(void *p, vf x, int64_t n) { uint16_t t[W]; stb(t, x); memcpy(p, t, (size_t)n * 2); }
+
+/* a bfloat16 row, rounded where the reference's bf16 chain rounds: h = rnd(res + x), the
+ * scaled row (its .to(dtype)), the product with w; the squares summed in float32 */
+static void norm_row_b(const uint16_t *x, const uint16_t *res, uint16_t *h, uint16_t *out, const uint16_t *w,
+                       int64_t n, float eps) {
+    vf acc = {0};
+    for (int64_t i = 0; i < n; i += W) {
+        const int64_t m = n - i < W ? n - i : W;
+        vf v = m == W ? ldb(x + i) : ldb_n(x + i, m);
+        if (res) {
+            v = rndb((m == W ? ldb(res + i) : ldb_n(res + i, m)) + v);
+            if (m == W) stb(h + i, v); else stb_n(h + i, v, m);
+        }
+        acc += v * v;
+    }
+    float ss = 0.0f;
+    for (int j = 0; j < W; j++) ss += acc[j];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    const uint16_t *src = res ? h : x;
+    for (int64_t i = 0; i < n; i += W) {
+        const int64_t m = n - i < W ? n - i : W;
+        const vf y = (m == W ? ldb(w + i) : ldb_n(w + i, m)) * rndb((m == W ? ldb(src + i) : ldb_n(src + i, m)) * r);
+        if (m == W) stb(out + i, y); else stb_n(out + i, y, m);
+    }
+}
+
+/* rows of n elements of kind `ak` (float32 or bfloat16): x row r at x + r * xs elements (res,
+ * h likewise; res and h NULL for plain rms_norm) */
+void dl_rms_norm(const void *x, int64_t xs, const void *res, int64_t rs, void *h, int64_t hs,
+                 void *out, int64_t os, const void *w, int64_t rows, int64_t n, float eps, int ak, int nthreads) {
     const int nt = threads_for(rows, n, nthreads);
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        norm_row(x + r * xs, res ? res + r * rs : 0, res ? h + r * hs : 0, out + r * os, w, n, eps);
+    for (int64_t r = 0; r < rows; r++) {
+        if (ak == KV_BF16)
+            norm_row_b((const uint16_t *)x + r * xs, res ? (const uint16_t *)res + r * rs : 0,
+                       res ? (uint16_t *)h + r * hs : 0, (uint16_t *)out + r * os, w, n, eps);
+        else
+            norm_row((const float *)x + r * xs, res ? (const float *)res + r * rs : 0,
+                     res ? (float *)h + r * hs : 0, (float *)out + r * os, w, n, eps);
+    }
 }
 
 static inline vf silu_mul(vf a, vf b) { return a / (1.0f + vexp(-a)) * b; }

@@ -57,7 +57,7 @@ def bind_fused(L):
     """Declare the C signatures of _fused.c's functions on a loaded library; returns it."""
     L64 = ctypes.c_int64
     L.dl_rms_norm.restype = None
-    L.dl_rms_norm.argtypes = [_P, L64, _P, L64, _P, L64, _P, L64, _P, L64, L64, ctypes.c_float, _I]
+    L.dl_rms_norm.argtypes = [_P, L64, _P, L64, _P, L64, _P, L64, _P, L64, L64, ctypes.c_float, _I, _I]
     L.dl_silu_and_mul.restype = None
     L.dl_silu_and_mul.argtypes = [_P, L64, _P, L64, L64, L64, _I]
     L.dl_rotary_store.restype = None
@@ -146,8 +146,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
-    """x as a 2-D float32 CPU tensor of rows with contiguous elements (a view), or None."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 2 or x.stride(-1) != 1:
+    """x as a 2-D float32 or bfloat16 CPU tensor of rows with contiguous elements (a view), or
+    None (float16 rows: the reference)."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.dim() < 2 or x.stride(-1) != 1:
         return None
     if x.dim() == 2:
         return x
@@ -170,7 +171,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     h = torch.empty((rows, n), dtype=x.dtype) if residual is not None else None
     L.dl_rms_norm(x2.data_ptr(), x2.stride(0), r2.data_ptr() if h is not None else None, r2.stride(0) if h is not None else 0,
                   h.data_ptr() if h is not None else None, n, out.data_ptr(), n, weight.data_ptr(), rows, n, float(eps),
-                  torch.get_num_threads())
+                  KV_KINDS[x.dtype], torch.get_num_threads())
     if h is None:
         return out.view(x.shape)
     return out.view(x.shape), h.view(x.shape)
@@ -179,7 +180,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """silu(x[..., :n]) * x[..., n:] for x (..., 2n); None when the kernel cannot take x."""
     L = FUSED.get()
-    x2 = _rows(x)
+    x2 = _rows(x) if x.dtype == torch.float32 else None  # bf16: torch's is faster (docs/benchmarks.md)
     if L is None or x2 is None or x.shape[-1] % 2:
         return None
     rows, n = x2.shape[0], x.shape[-1] // 2
