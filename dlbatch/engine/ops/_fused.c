@@ -83,18 +83,6 @@ AI float get1(const void *p, int64_t i, const int kind) {
     return f;
 }
 
-AI void put1(void *p, int64_t i, float v, const int kind) {
-    if (kind == KV_F32) {
-        ((float *)p)[i] = v;
-    } else if (kind == KV_F16) {
-        ((_Float16 *)p)[i] = (_Float16)v;
-    } else {
-        uint32_t u;
-        memcpy(&u, &v, 4);
-        ((uint16_t *)p)[i] = isnan(v) ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    }
-}
-
 /* v rounded to `kind`'s precision (what a half-precision torch op stores) */
 AI float rnd(float v, const int kind) {
     if (kind == KV_F32) return v;
@@ -107,6 +95,19 @@ AI float rnd(float v, const int kind) {
     u = isnan(v) ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
     memcpy(&v, &u, 4);
     return v;
+}
+
+AI void put1(void *p, int64_t i, float v, const int kind) {
+    if (kind == KV_F32) {
+        ((float *)p)[i] = v;
+    } else if (kind == KV_F16) {
+        ((_Float16 *)p)[i] = (_Float16)v;
+    } else {  /* the upper half of v rounded to bf16 */
+        uint32_t u;
+        v = rnd(v, KV_BF16);
+        memcpy(&u, &v, 4);
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    }
 }
 
 /* n elements from a row of kind sk to a row of kind dk */

@@ -169,9 +169,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     rows = x2.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype)
     h = torch.empty((rows, n), dtype=x.dtype) if residual is not None else None
-    L.dl_rms_norm(x2.data_ptr(), x2.stride(0), r2.data_ptr() if h is not None else None, r2.stride(0) if h is not None else 0,
-                  h.data_ptr() if h is not None else None, n, out.data_ptr(), n, weight.data_ptr(), rows, n, float(eps),
-                  KV_KINDS[x.dtype], torch.get_num_threads())
+    res_ptr, res_stride, h_ptr = (r2.data_ptr(), r2.stride(0), h.data_ptr()) if h is not None else (None, 0, None)
+    L.dl_rms_norm(x2.data_ptr(), x2.stride(0), res_ptr, res_stride, h_ptr, n, out.data_ptr(), n, weight.data_ptr(),
+                  rows, n, float(eps), KV_KINDS[x.dtype], torch.get_num_threads())
     if h is None:
         return out.view(x.shape)
     return out.view(x.shape), h.view(x.shape)
