@@ -169,6 +169,73 @@ def test_rotary_store_kv_matches_reference_and_skips_padding_slots():
     torch.testing.assert_close(vc, vc_ref)
 
 
+# Half precision. Triton's interpreter (3.9) computes bfloat16 arithmetic on the raw 16-bit
+# words (a bf16 add or tl.dot gives garbage; conversions to and from it are right), so the
+# model dtype here is float16, which takes the kernels through the same 16-bit code; bf16
+# models run in `pytest -m gpu` (tests/gpu/test_gpu.py). A bf16 *cache* only converts.
+HALF = dict(atol=2e-3, rtol=1e-2)
+DTYPES = [(torch.float16, torch.float16), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+          (torch.float16, torch.float32)]
+
+
+@pytest.mark.parametrize("model_dtype,kv_dtype", DTYPES)
+def test_attention_in_float16_and_with_a_cache_of_another_dtype(model_dtype, kv_dtype):
+    """Both attention kernels with queries in the model's dtype and the cache stored in
+    kv_cache_dtype, against the reference on the same cache contents. The prefill kernel
+    once handed a bf16 K straight to tl.dot with fp32 queries: a compile error on a GPU."""
+    tol = HALF if torch.float16 in (model_dtype, kv_dtype) else dict(atol=ATOL, rtol=1e-4)
+    hq, hk, d, bs = 4, 2, 32, 16
+    q, _, _, kc, vc, meta = _prefill_case([(0, 5), (0, 33), (40, 3), (16, 20)], bs, hq, hk, d, None, seed=9)
+    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
+    k = kc.view(-1, hk, d)[meta.slots].to(model_dtype)  # the new tokens' KV as the cache holds it
+    v = vc.view(-1, hk, d)[meta.slots].to(model_dtype)
+    q = q.to(model_dtype)
+    got = cuda.prefill_attention(q, k, v, kc, vc, meta)
+    assert got.dtype == model_dtype
+    torch.testing.assert_close(got.float(), reference.prefill_attention(q, k, v, kc, vc, meta).float(), **tol)
+
+    lens = [1, 17, 40, 70]
+    tables, nb = _tables(lens, bs, seed=4)
+    kc, vc = (c.to(kv_dtype) for c in _cache(nb, bs, hk, d, seed=5))
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(6)).to(model_dtype)
+    meta = _decode_meta(tables, lens, bs, None)
+    got = cuda.paged_decode_attention(q, kc, vc, meta)
+    assert got.dtype == model_dtype
+    torch.testing.assert_close(got.float(), reference.paged_decode_attention(q, kc, vc, meta).float(), **tol)
+
+
+@pytest.mark.parametrize("model_dtype,kv_dtype", DTYPES)
+def test_norm_and_rotary_store_in_float16_and_into_a_cache_of_another_dtype(model_dtype, kv_dtype):
+    t, hq, hk, d, bs = 6, 4, 2, 16, 16
+    g = torch.Generator().manual_seed(12)
+    x, res = torch.randn(t, 64, generator=g).to(model_dtype), torch.randn(t, 64, generator=g).to(model_dtype)
+    w = (1 + 0.2 * torch.randn(64, generator=g)).to(model_dtype)
+    out, h = cuda.add_rms_norm(x, res, w, 1e-6)
+    want_out, want_h = reference.add_rms_norm(x, res, w, 1e-6)
+    assert out.dtype == h.dtype == model_dtype
+    torch.testing.assert_close(h, want_h)
+    torch.testing.assert_close(out.float(), want_out.float(), **HALF)
+
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(model_dtype)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    ang = torch.randn(t, d // 2, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(model_dtype), torch.cat([ang.sin()] * 2, -1).to(model_dtype)
+    slots = torch.tensor([3, 17, 40, 9, -1, 33])
+    keep = slots >= 0
+    kc_ref, vc_ref = torch.zeros(4, bs, hk, d, dtype=kv_dtype), torch.zeros(4, bs, hk, d, dtype=kv_dtype)
+    want_q, want_k = reference.rotary(q.clone(), k.clone(), cos, sin)
+    reference.store_kv(kc_ref, vc_ref, want_k[keep], v[keep], slots[keep])
+    kc, vc = torch.zeros_like(kc_ref), torch.zeros_like(vc_ref)
+    got_q, got_k = cuda.rotary_store_kv(q, k, v, cos, sin, kc, vc, slots)
+    torch.testing.assert_close(got_q.float(), want_q.float(), **HALF)
+    torch.testing.assert_close(got_k.float(), want_k.float(), **HALF)
+    # one rounding into the cache's dtype (the interpreter may round a bf16 toward zero)
+    torch.testing.assert_close(kc.float(), kc_ref.float(), atol=2e-3, rtol=2 ** -7)
+    torch.testing.assert_close(vc, vc_ref)
+
+
 @pytest.mark.parametrize("arch", ["mistral", "qwen3"])
 def test_whole_model_greedy_with_triton_ops(arch, tmp_path, monkeypatch):
     """A tiny model (sliding window: mistral; qk-norm: qwen3) with every CUDA op standing in
@@ -232,3 +299,19 @@ def test_graph_runner_buffers_and_padding_with_emulated_replay(tmp_path, monkeyp
     llm.engine.runner.model = gm
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert gm.replays > 0 and set(gm.graphs) == {1, 2, 4}
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_the_gpu_checks_op_parity_runs_here_in_float32(windowed, monkeypatch):
+    """tests/gpu/test_gpu.py runs only on a GPU, which CI does not have: its op-parity tests
+    run here on CPU tensors, in float32 (the interpreter's bf16 is wrong) and with small
+    shapes, so that the metadata they hand the ops stays what the ops read (they once
+    built an AttnMeta with a field it no longer had)."""
+    from tests.gpu import test_gpu as G
+
+    monkeypatch.setattr(G, "DEV", "cpu")
+    monkeypatch.setattr(G, "PARITY", dict(hq=4, hk=2, d=32, lens=[1, 17, 70], specs=[(0, 40), (50, 7), (16, 20)],
+                                          window=24))
+    G.test_decode_and_prefill_parity((cuda, reference), torch.float32, 2e-4, windowed)
+    if not windowed:
+        G.test_norm_and_rotary_parity((cuda, reference), torch.float32, 2e-4)

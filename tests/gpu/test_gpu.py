@@ -49,14 +49,21 @@ def _slots(table, bs, lo, hi):
     return [table[p // bs] * bs + p % bs for p in range(lo, hi)]
 
 
+# shapes of the op-parity tests (tests/engine/test_triton_ops.py runs them with small ones,
+# on CPU tensors in Triton's interpreter, so that a change of the metadata shows in CI)
+PARITY = dict(hq=32, hk=8, d=64, lens=[1, 17, 300, 1000, 2049], specs=[(0, 700), (1000, 64), (16, 300)],
+              window=100)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("window", [None, 100])
-def test_decode_and_prefill_parity(kernels, dtype, tol, window):
+@pytest.mark.parametrize("windowed", [False, True])
+def test_decode_and_prefill_parity(kernels, dtype, tol, windowed):
     from dlbatch.engine.model_runner import AttnMeta
 
     cuda, ref = kernels
-    bs, hq, hk, d = 16, 32, 8, 64
-    lens = [1, 17, 300, 1000, 2049]
+    bs, hq, hk, d = 16, PARITY["hq"], PARITY["hk"], PARITY["d"]
+    window = PARITY["window"] if windowed else None
+    lens = PARITY["lens"]
     tables, nb = _tables(lens, bs, 0)
     kc = torch.randn(nb, bs, hk, d, device=DEV, dtype=dtype)
     vc = torch.randn_like(kc)
@@ -67,16 +74,17 @@ def test_decode_and_prefill_parity(kernels, dtype, tol, window):
     mask = kpos < dl[:, None]
     if window:
         mask &= kpos > dl[:, None] - 1 - window
+    width = max(len(t) for t in tables)
     meta = AttnMeta(slots=torch.zeros(0, dtype=torch.long, device=DEV), num_prefill_tokens=0, decode_lens=dl,
                     decode_gather=torch.tensor([_slots(t, bs, 0, n) + [0] * (lmax - n) for t, n in zip(tables, lens)],
                                                device=DEV),
                     decode_mask=mask[:, None, None], sliding_window=window,
-                    decode_runs=[[(s, 1) for s in _slots(t, bs, max(0, n - window) if window else 0, n)]
-                                 for t, n in zip(tables, lens)])
+                    # as dlbatch/engine/step_meta.py keeps them: int64, rows padded with valid ids
+                    decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEV))
     torch.testing.assert_close(cuda.paged_decode_attention(q, kc, vc, meta).float(),
                                ref.paged_decode_attention(q, kc, vc, meta).float(), atol=tol, rtol=tol)
     # prefill: fresh, prefix hit, chunk
-    specs = [(0, 700), (1000, 64), (16, 300)]
+    specs = PARITY["specs"]
     tables, nb = _tables([c + n for c, n in specs], bs, 1)
     kc = torch.randn(nb, bs, hk, d, device=DEV, dtype=dtype)
     vc = torch.randn_like(kc)

@@ -7,11 +7,13 @@ CPU engine never pays for it.
 Attention metadata. The kernels read the paged cache through block tables, never a
 gathered copy. They take tensors, looked up on the step's ``AttnMeta``:
 
-- decode: ``decode_block_tables`` (B, W) int32 and ``decode_lens`` (B,) keys visible to
-  each sequence's new token (its position + 1);
-- prefill: ``prefill_block_tables`` (S, W) int32, ``prefill_cu_q`` (S+1,) int32 (row
-  offsets of each sequence's new tokens in q), ``prefill_ctx`` (S,) int32 (position of
-  its first new token) and ``prefill_max_new`` (int).
+- decode: ``decode_block_tables`` (B, W) and ``decode_lens`` (B,) keys visible to each
+  sequence's new token (its position + 1);
+- prefill: ``prefill_block_tables`` (S, W), ``prefill_cu_q`` (S+1,) (row offsets of each
+  sequence's new tokens in q), ``prefill_ctx`` (S,) (position of its first new token) and
+  ``prefill_max_new`` (int).
+
+Integer tensors may be int32 or int64 (the kernels widen what they load).
 
 The step (dlbatch/engine/step_meta.py) keeps them as persistent tensors (int64 block
 tables). Metadata built by hand without the prefill tensors (tests) falls back to the

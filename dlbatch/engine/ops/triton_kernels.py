@@ -167,8 +167,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, cu_q_ptr, ctx_ptr,
             kmask = k_pos < hi
             blk = tl.load(tables_ptr + s_i * st_b + k_pos // BS, mask=kmask, other=0).to(tl.int64)
             off = blk[:, None] * sk_b + (k_pos % BS)[:, None] * sk_t + kvh * sk_h + d[None, :]
-            k = tl.load(k_ptr + off, mask=kmask[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(v_ptr + off, mask=kmask[:, None] & dmask[None, :], other=0.0)
+            # a cache stored in another dtype than the model's (kv_cache_dtype) is read as q's
+            # dtype: tl.dot takes operands of one dtype
+            k = tl.load(k_ptr + off, mask=kmask[:, None] & dmask[None, :], other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + off, mask=kmask[:, None] & dmask[None, :], other=0.0).to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
