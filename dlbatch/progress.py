@@ -3,7 +3,11 @@
 `Progress` is a plain object (no Ray, no model): the driving loop calls
 ``update(docs_done=..., tokens=..., remaining_tokens=...)`` once per iteration with running
 totals. Rates are taken over the last ``window_s`` seconds of samples (so a long start-up
-does not drag the rate down for the whole run, and a stall shows at once). The ETA divides
+does not drag the rate down for the whole run, and a stall shows at once), and never from
+before the run's first finished document: until then the engines are busy but nothing
+counts, and a first document finishing after a minute of pipeline fill made that minute's
+rate a tenth of the real one (a first ETA of 15:33 for a run that ended 62 s later). With
+one finished document there is no interval to measure yet, so no rate. The ETA divides
 the tokens still to process -- the remaining documents' prompt tokens, known at tokenize
 time, plus their max_tokens -- by the token rate; before any token is done, or while the
 rate is zero, there is no ETA. Output is a tqdm bar on a terminal, else one log line every
@@ -64,7 +68,8 @@ class Progress:
         now = self.clock()
         self.docs_done, self.tokens = docs_done, tokens
         self.remaining_tokens, self.remaining_docs = remaining_tokens, remaining_docs
-        self.samples.append((now, docs_done, tokens))
+        if docs_done > self.initial_docs:  # rates start at the run's first finished document
+            self.samples.append((now, docs_done, tokens))
         while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
             self.samples.popleft()  # keep one sample at or before the window's start
         if self.bar is not None:

@@ -33,6 +33,25 @@ def test_rates_use_a_moving_window_not_the_whole_run():
     assert p.eta_s() == pytest.approx((50_000 - 15_000) / 500.0)
 
 
+def test_pipeline_fill_before_the_first_finished_document_does_not_dilute_the_rate():
+    """Documents are in flight for a minute before the first one finishes (the engines are
+    busy, nothing counts yet); then one finishes every 2 s, 3000 tokens each. The rate is
+    the steady one, and there is no ETA from a single finished document."""
+    clock = Clock()
+    p = Progress("job", total_docs=100, tty=False, window_s=30, clock=clock, stream=io.StringIO())
+    for _ in range(60):
+        clock.t += 1
+        p.update(docs_done=0, tokens=0, remaining_tokens=300_000)
+    clock.t += 1
+    p.update(docs_done=1, tokens=3000, remaining_tokens=297_000)
+    assert p.eta_s() is None and "ETA ?" in p.summary()  # was 297000 / 100 tok/s: 49 minutes
+    for i in range(2, 7):
+        clock.t += 2
+        p.update(docs_done=i, tokens=3000 * i, remaining_tokens=300_000 - 3000 * i)
+    assert p.rates()[1] == pytest.approx(1500.0)  # was 600: the fill still in the window
+    assert p.eta_s() == pytest.approx((300_000 - 18_000) / 1500.0)
+
+
 def test_rate_falls_to_zero_when_work_stops_and_there_is_no_eta():
     clock = Clock()
     p = Progress("job", tty=False, window_s=10, clock=clock, stream=io.StringIO())
