@@ -5,9 +5,8 @@
 totals. Rates are taken over the last ``window_s`` seconds of samples (so a long start-up
 does not drag the rate down for the whole run, and a stall shows at once), and never from
 before the run's first finished document: until then the engines are busy but nothing
-counts, and a first document finishing after a minute of pipeline fill made that minute's
-rate a tenth of the real one (a first ETA of 15:33 for a run that ended 62 s later). With
-one finished document there is no interval to measure yet, so no rate. The ETA divides
+counts, so the pipeline's fill would dilute the first rates. With one finished document
+there is no interval to measure yet, so no rate. The ETA divides
 the tokens still to process -- the remaining documents' prompt tokens, known at tokenize
 time, plus their max_tokens -- by the token rate; before any token is done, or while the
 rate is zero, there is no ETA. Output is a tqdm bar on a terminal, else one log line every

@@ -149,8 +149,19 @@ static inline vf rndb(vf x) {
     return sel(x != x, (vf)((vu){0} + 0x7FC00000u), (vf)r);
 }
 static inline void stb(void *p, vf x) { vh h = __builtin_convertvector((vu)rndb(x) >> 16, vh); memcpy(p, &h, sizeof h); }
-static inline vf ldb_n(const void *p, int64_t n) { uint16_t t[W] = {0}; memcpy(t, p, (size_t)n * 2); return ldb(t); }
-static inline void stb_n(void *p, vf x, int64_t n) { uint16_t t[W]; stb(t, x); memcpy(p, t, (size_t)n * 2); }
+/* the first n <= W elements (a whole vector when n == W) */
+static inline vf ldb_n(const void *p, int64_t n) {
+    if (n == W) return ldb(p);
+    uint16_t t[W] = {0};
+    memcpy(t, p, (size_t)n * 2);
+    return ldb(t);
+}
+static inline void stb_n(void *p, vf x, int64_t n) {
+    if (n == W) { stb(p, x); return; }
+    uint16_t t[W];
+    stb(t, x);
+    memcpy(p, t, (size_t)n * 2);
+}
 
 /* a bfloat16 row, rounded where the reference's bf16 chain rounds: h = rnd(res + x), the
  * scaled row (its .to(dtype)), the product with w; the squares summed in float32 */
@@ -159,10 +170,10 @@ static void norm_row_b(const uint16_t *x, const uint16_t *res, uint16_t *h, uint
     vf acc = {0};
     for (int64_t i = 0; i < n; i += W) {
         const int64_t m = n - i < W ? n - i : W;
-        vf v = m == W ? ldb(x + i) : ldb_n(x + i, m);
+        vf v = ldb_n(x + i, m);
         if (res) {
-            v = rndb((m == W ? ldb(res + i) : ldb_n(res + i, m)) + v);
-            if (m == W) stb(h + i, v); else stb_n(h + i, v, m);
+            v = rndb(ldb_n(res + i, m) + v);
+            stb_n(h + i, v, m);
         }
         acc += v * v;
     }
@@ -172,8 +183,8 @@ static void norm_row_b(const uint16_t *x, const uint16_t *res, uint16_t *h, uint
     const uint16_t *src = res ? h : x;
     for (int64_t i = 0; i < n; i += W) {
         const int64_t m = n - i < W ? n - i : W;
-        const vf y = (m == W ? ldb(w + i) : ldb_n(w + i, m)) * rndb((m == W ? ldb(src + i) : ldb_n(src + i, m)) * r);
-        if (m == W) stb(out + i, y); else stb_n(out + i, y, m);
+        const vf y = ldb_n(w + i, m) * rndb(ldb_n(src + i, m) * r);
+        stb_n(out + i, y, m);
     }
 }
 
