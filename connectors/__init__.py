@@ -6,7 +6,7 @@ Heavy libraries (pymupdf, pyarrow, datasets, s3fs) are imported inside the funct
 """
 
 from .ids import content_id
-from .io_retry import RetryPolicy, call_with_retry, is_transient, retry_count, retry_io
+from .io_retry import IOBackoff, call_with_retry, is_transient, retry_count, retry_io
 from .listing import FORMATS, list_inputs, read_document_file
 from .pdf import extract_pdf
 from .records import ROW_KEYS
@@ -14,7 +14,7 @@ from .sink import list_committed, read_committed, write_parquet_atomic
 from .text_sources import read_hf, read_jsonl, read_parquet, read_text
 
 __all__ = [
-    "FORMATS", "ROW_KEYS", "RetryPolicy", "call_with_retry", "content_id", "extract_pdf",
+    "FORMATS", "ROW_KEYS", "IOBackoff", "call_with_retry", "content_id", "extract_pdf",
     "is_transient", "list_committed", "list_inputs", "read_committed", "read_document_file",
     "read_hf", "read_jsonl", "read_parquet", "read_text", "retry_count", "retry_io",
     "write_parquet_atomic",

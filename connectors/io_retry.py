@@ -38,8 +38,9 @@ T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-    """How hard to retry. ``max_attempts`` counts the first try."""
+class IOBackoff:
+    """How hard an I/O call is retried (exponential back-off with jitter). ``max_attempts``
+    counts the first try. (Who is to blame for a failed batch is `dlbatch.driver.retry_policy`.)"""
 
     max_attempts: int = 5
     initial_wait_s: float = 0.2
@@ -53,12 +54,12 @@ class RetryPolicy:
             raise ValueError(f"retry waits must be >= 0, got {self}")
 
 
-def _policy_from_env() -> RetryPolicy:
+def _policy_from_env() -> IOBackoff:
     attempts = os.environ.get("DLBATCH_IO_MAX_ATTEMPTS")
     if attempts is None:
-        return RetryPolicy()
+        return IOBackoff()
     try:
-        return RetryPolicy(max_attempts=int(attempts))
+        return IOBackoff(max_attempts=int(attempts))
     except ValueError as exc:
         raise ValueError(f"DLBATCH_IO_MAX_ATTEMPTS must be a positive integer, got {attempts!r}") from exc
 
@@ -70,28 +71,18 @@ _counter_lock = threading.Lock()
 _retry_count = 0
 
 
-def set_default_policy(policy: RetryPolicy) -> RetryPolicy:
+def set_default_policy(policy: IOBackoff) -> IOBackoff:
     """Replace the process default policy; returns the previous one."""
     global _default_policy
-    if not isinstance(policy, RetryPolicy):
-        raise TypeError(f"expected RetryPolicy, got {type(policy).__name__}")
+    if not isinstance(policy, IOBackoff):
+        raise TypeError(f"expected IOBackoff, got {type(policy).__name__}")
     previous, _default_policy = _default_policy, policy
     return previous
-
-
-def default_policy() -> RetryPolicy:
-    return _default_policy
 
 
 def retry_count() -> int:
     """Number of retries (not first attempts) made in this process so far."""
     return _retry_count
-
-
-def reset_retry_count() -> None:
-    global _retry_count
-    with _counter_lock:
-        _retry_count = 0
 
 
 def _bump() -> None:
@@ -188,7 +179,7 @@ def _describe(fn: Callable[..., Any], op: str | None) -> str:
     return op or getattr(fn, "__qualname__", None) or repr(fn)
 
 
-def _exp_jitter_wait(pol: RetryPolicy):
+def _exp_jitter_wait(pol: IOBackoff):
     """Exponential backoff with jitter; tenacity >= 9 names the start 'multiplier'."""
     import inspect
 
@@ -199,7 +190,7 @@ def _exp_jitter_wait(pol: RetryPolicy):
 
 
 def call_with_retry(fn: Callable[..., T], *args: Any, op: str | None = None,
-                    policy: RetryPolicy | None = None, **kwargs: Any) -> T:
+                    policy: IOBackoff | None = None, **kwargs: Any) -> T:
     """Call ``fn(*args, **kwargs)``, retrying transient I/O errors.
 
     Permanent errors are re-raised at once (same exception type, with a note);
@@ -241,7 +232,7 @@ def _add_note(exc: BaseException, note: str) -> None:
 
 
 def retry_io(fn: Callable[..., T] | None = None, *, op: str | None = None,
-             policy: RetryPolicy | None = None):
+             policy: IOBackoff | None = None):
     """Decorator form of :func:`call_with_retry`: ``@retry_io`` or ``@retry_io(op=...)``."""
 
     def wrap(f: Callable[..., T]) -> Callable[..., T]:

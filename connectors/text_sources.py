@@ -23,7 +23,7 @@ import os
 import tempfile
 from typing import Any, Iterator
 
-from .ids import content_id, id_from_field
+from .ids import id_from_field
 from .io_retry import call_with_retry
 from .records import (BAD_FIELD_TYPE, CORRUPT_FILE, DECODE_ERROR, EMPTY_DOCUMENT, MALFORMED_JSON,
                       MISSING_FIELD, error_row, ok_row)

@@ -46,7 +46,7 @@ from pydantic import (
     model_validator,
 )
 
-from dlbatch.templates import TemplateError, validate_template
+from dlbatch.prompts.templates import TemplateError, validate_template
 
 __all__ = [
     "JobSpecError",
@@ -203,7 +203,7 @@ class ModelSpec(BaseModel):
 
     name: str = Field("smollm2-135m-instruct", min_length=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    max_model_len: int = Field(8192, ge=1)
+    max_model_len: Optional[int] = Field(None, ge=1)  # null: the engine's default (EngineConfig)
     chat: Optional[bool] = None
     system: Optional[str] = None  # system prompt of every task (a task's own `system` wins)
     chat_template: Optional[str] = None  # path to a Jinja chat template file, instead of the model's
@@ -283,7 +283,7 @@ class ChunkingSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "ChunkingSpec":
-        from dlbatch.longdoc import MAP_VARIABLES, REDUCE_VARIABLES
+        from dlbatch.prompts.longdoc import MAP_VARIABLES, REDUCE_VARIABLES
 
         validate_template("map_prompt", self.map_prompt, MAP_VARIABLES)
         validate_template("reduce_prompt", self.reduce_prompt, REDUCE_VARIABLES)
@@ -294,7 +294,7 @@ class ChunkingSpec(BaseModel):
 
 
 def _longdoc_defaults() -> tuple[str, str]:
-    from dlbatch.longdoc import DEFAULT_MAP_PROMPT, DEFAULT_REDUCE_PROMPT
+    from dlbatch.prompts.longdoc import DEFAULT_MAP_PROMPT, DEFAULT_REDUCE_PROMPT
 
     return DEFAULT_MAP_PROMPT, DEFAULT_REDUCE_PROMPT
 
@@ -592,13 +592,41 @@ def load_job(
     if not isinstance(data, dict):
         raise JobSpecError(source, [("", f"a job file must be a mapping at the top level, got {type(data).__name__}")])
     data = apply_overrides(data, overrides, source=source)
-    from dlbatch.structured import inline_schema_files
-
     try:
         data = inline_schema_files(data, source)
     except ValueError as e:
         raise JobSpecError(source, [("tasks", str(e))]) from None
     return parse_job(data, source=source)
+
+
+def inline_schema_files(data: dict, job_source: str) -> dict:
+    """Replace every task's ``output.json_schema: "file.json"`` by the file's JSON, and make
+    ``model.chat_template`` absolute (both relative to the job file's directory), so the job
+    dict is self-contained."""
+    if not isinstance(data, dict):
+        return data
+    base = os.path.dirname(os.path.abspath(job_source)) if "://" not in job_source else None
+    model = data.get("model")
+    tpl = model.get("chat_template") if isinstance(model, dict) else None
+    if isinstance(tpl, str) and base is not None and not os.path.isabs(tpl) and "://" not in tpl:
+        data = {**data, "model": {**model, "chat_template": os.path.join(base, tpl)}}
+    tasks = data.get("tasks")
+    if not isinstance(tasks, list):
+        return data
+    new_tasks = []
+    for t in tasks:
+        out = t.get("output") if isinstance(t, dict) else None
+        path = out.get("json_schema") if isinstance(out, dict) else None
+        if isinstance(path, str) and path.strip().endswith(".json"):
+            full = path if os.path.isabs(path) or base is None else os.path.join(base, path)
+            try:
+                with open(full, encoding="utf-8") as f:
+                    schema = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"task {t.get('name')!r}: output.json_schema file {path!r}: {e}") from None
+            t = {**t, "output": {**out, "json_schema": schema}}
+        new_tasks.append(t)
+    return {**data, "tasks": new_tasks}
 
 
 # --------------------------------------------------------------------------- overrides

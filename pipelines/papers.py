@@ -2,20 +2,20 @@
 document (the document first, so the tasks share it as prefix) -> tokenized requests.
 
 read (list files) -> parse (flat_map, CPU) -> prompts + tokenize (map_batches, CPU);
-generation and writing are driven by `dlbatch.runner` on the worker pools of the plan.
+generation and writing are driven by `dlbatch.driver.runner` on the worker pools of the plan.
 
 Start-up. Parse and prompts run fused in the prompt actors: the prompt stage takes whole
 blocks (``batch_size=None``), which lets Ray Data fuse the row-count-changing flat_map into
 it (a fixed batch size forbids that fusion). So the data plane costs one Python process
-per prompt actor instead of one per parse task (on 2 cores, eight parse processes starting
-beside the model load delayed everything), and a block (one input file when there are few)
+per prompt actor instead of one per parse task (on a small machine, parse processes starting
+beside the model load compete with it for the cores), and a block (one input file when there are few)
 flows to the driver as soon as it is parsed and tokenized, not once eight are. The actor
 pool autoscales from one actor up to one per ``CPUS_PER_PROMPT_ACTOR`` logical CPUs of the
 cluster (``parse_concurrency`` at least), so large clusters still parse in parallel.
 """
 from __future__ import annotations
 
-CPUS_PER_PROMPT_ACTOR = 8  # a local run declares 8 logical CPUs on 2 cores (dlbatch.session): one actor
+CPUS_PER_PROMPT_ACTOR = 8  # a local run declares 8 logical CPUs on 2 cores (dlbatch.driver.session): one actor
 MAX_BLOCKS = 64
 
 
@@ -28,7 +28,8 @@ def prompt_actors(cluster_cpus: float, parse_concurrency: int = 1) -> tuple[int,
 def build(spec, files: list[str], skip_doc_ids: set[str], parse_concurrency: int = 1):
     import ray
 
-    from dlbatch.stages import PromptStage, parse_file
+    from connectors.parse import parse_file
+    from dlbatch.prompts.stage import PromptStage
 
     inp = spec.input
     ds = ray.data.from_items([{"url": f} for f in files], override_num_blocks=max(1, min(len(files), MAX_BLOCKS)))
@@ -38,7 +39,7 @@ def build(spec, files: list[str], skip_doc_ids: set[str], parse_concurrency: int
     if inp.limit is not None and inp.format not in ("pdf", "text"):
         ds = ds.limit(inp.limit)
     lo, hi = prompt_actors(ray.cluster_resources().get("CPU", 1.0), parse_concurrency)
-    ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec_dict=spec.to_dict(),
+    ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec=spec,
                                                                 skip_doc_ids=sorted(skip_doc_ids),
                                                                 map_reduce=True),
                         batch_size=None, batch_format="pyarrow", concurrency=(lo, hi), num_cpus=0.25)

@@ -42,7 +42,7 @@ def test_common_helpers():
 
 
 def test_flop_and_byte_counts():
-    from dlbatch.bench.engine import decode_bytes, prefill_flops
+    from dlbatch.bench.roofline import decode_bytes, prefill_flops
 
     cnt = {"linear_params": 100, "lm_head_params": 10, "layers": 2, "heads": 3, "head_dim": 4,
            "weight_bytes": 1000, "kv_bytes_per_token": 8}
@@ -76,7 +76,7 @@ def test_random_llama_helper_tiny_shape(tmp_path):
 
 
 def test_engine_bench_smoke(tmp_path):
-    from tests.tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     path = str(tmp_path / "tiny")
     make_tiny_model("llama", path)
@@ -180,7 +180,7 @@ def test_router_bench_smoke(tmp_path, sample_model):
 def test_bench_kv_small(ray_local, tmp_path):
     """bench kv end to end on small sizes and a tiny model's streamed prefill: ratios are
     the measured figures divided by the memcpy measured in the same run."""
-    from tests.tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     model = str(tmp_path / "tiny")
     make_tiny_model("llama", model)

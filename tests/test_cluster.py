@@ -11,203 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
-TINY = ["--set", "input.limit=1", "--set", "tasks.0.max_tokens=6", "--set", "tasks.1.max_tokens=4",
-        "--set", "tasks.2.max_tokens=4", "--set", "model.max_model_len=2048"]
-JOB_TIMEOUT = 600
-
-
-def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
-CLUSTER_TOKEN = uuid.uuid4().hex + uuid.uuid4().hex  # this module's cluster only
-
-
-def _env(**extra) -> dict:
-    """Environment of the cluster and of every command run against it: token authentication
-    on with a token of our own (whatever ~/.ray/auth_token holds), the venv's python first."""
-    env = dict(os.environ)
-    env["RAY_AUTH_MODE"] = "token"
-    env["RAY_AUTH_TOKEN"] = CLUSTER_TOKEN
-    env.pop("RAY_AUTH_TOKEN_PATH", None)
-    env.pop("RAY_ADDRESS", None)  # Ray prefers it over any explicit address
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    env.update(extra)
-    return env
-
-
-class LocalCluster:
-    """`ray start --head --block` in its own session; stop() kills exactly what it started."""
-
-    def __init__(self, resources: dict, num_cpus: int = 8, ray_bin: str | None = None, env: dict | None = None):
-        self.resources, self.num_cpus = resources, num_cpus
-        self.ray_bin = ray_bin or str(VENV_BIN / "ray")  # another python's `ray` (tests/test_submit_preflight.py)
-        self.env = env  # the cluster's environment (default: _env())
-        self.proc = None
-        self.pids: dict[int, float] = {}
-
-    def _prepare(self) -> None:
-        self.temp_dir = tempfile.mkdtemp(prefix="dlbray-")  # short: Ray's unix sockets live under it
-        (self.gcs_port, self.dash_port, client_port, agent_http, agent_grpc, rt_env, metrics, node_mgr,
-         obj_mgr) = _free_ports(9)
-        self.cmd = [self.ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-                    "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--port={self.gcs_port}",
-                    f"--dashboard-port={self.dash_port}", f"--ray-client-server-port={client_port}",
-                    f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
-                    f"--runtime-env-agent-port={rt_env}", f"--metrics-export-port={metrics}",
-                    f"--node-manager-port={node_mgr}", f"--object-manager-port={obj_mgr}",
-                    f"--num-cpus={self.num_cpus}", f"--resources={json.dumps(self.resources)}",
-                    f"--temp-dir={self.temp_dir}", "--disable-usage-stats", "--object-store-memory=500000000"]
-        self.log = open(os.path.join(self.temp_dir, "ray-start.log"), "wb")
-        self.pids = {}
-
-    @property
-    def dashboard(self) -> str:
-        return f"http://127.0.0.1:{self.dash_port}"
-
-    @property
-    def gcs(self) -> str:
-        return f"127.0.0.1:{self.gcs_port}"
-
-    def start(self, timeout: float = 150.0, attempts: int = 3) -> None:
-        """Ray gives a raylet a hard-coded 30 s to register; on a loaded machine that can run
-        out, and then `ray start` exits. Such a start is cleaned up and tried again."""
-        errors = []
-        for _ in range(attempts):
-            self._prepare()
-            try:
-                self._start_once(timeout)
-                return
-            except RuntimeError as e:
-                errors.append(str(e)[-1500:])
-                self.stop()
-        raise RuntimeError("could not start the test cluster:\n" + "\n---\n".join(errors))
-
-    def _start_once(self, timeout: float) -> None:
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env or _env(),
-                                     start_new_session=True, cwd=self.temp_dir)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited {self.proc.returncode}: {self.start_log()[-3000:]}")
-            self._record_pids()
-            if "Ray runtime started" in self.start_log() and self._jobs_api_ready():
-                time.sleep(2)  # `ray start` may still give up right after printing
-                if self.proc.poll() is None:
-                    self._record_pids()
-                    return
-            time.sleep(1)
-        raise RuntimeError(f"the Ray head did not come up in {timeout} s: {self.start_log()[-3000:]}")
-
-    def _jobs_api_ready(self) -> bool:
-        """The Jobs API lists jobs (through Ray's client, which adds the auth token when the
-        cluster uses token authentication)."""
-        try:
-            with urllib.request.urlopen(self.dashboard + "/api/version", timeout=3):
-                pass
-        except urllib.error.HTTPError:
-            pass  # it answered
-        except OSError:
-            return False
-        from ray.job_submission import JobSubmissionClient
-
-        try:
-            JobSubmissionClient(self.dashboard, headers={"Authorization": f"Bearer {CLUSTER_TOKEN}"}).list_jobs()
-            return True
-        except Exception:
-            return False
-
-    def start_log(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")
-
-    def _record_pids(self) -> None:
-        """Remember (pid, create_time) of the head's process tree and of every process whose
-        command line names our temp dir, so that stop() signals exactly those."""
-        import psutil
-
-        procs = []
-        try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root] + root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if any(self.temp_dir in a for a in (p.info["cmdline"] or [])):
-                    procs.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-        for p in procs:
-            try:
-                self.pids[p.pid] = p.create_time()
-            except psutil.NoSuchProcess:
-                pass
-
-    def _ours(self):
-        import psutil
-
-        for pid, created in list(self.pids.items()):
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    yield p
-            except psutil.NoSuchProcess:
-                pass
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self._record_pids()
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:  # start_new_session: the group id is the leader's pid
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            for p in self._ours():
-                try:
-                    p.send_signal(sig)
-                except Exception:
-                    pass
-            gone_by = time.monotonic() + wait
-            while time.monotonic() < gone_by and self.alive_pids():
-                time.sleep(0.3)
-            if not self.alive_pids():
-                break
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        self.log.close()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-    def alive_pids(self) -> list[int]:
-        return [p.pid for p in self._ours()]
+from tests.helpers.cluster import (CLUSTER_TOKEN, JOB_TIMEOUT, ROOT, TINY, LocalCluster, cluster_env, free_ports,
+                                   run_dlbatch)
 
 
 @pytest.fixture(scope="module")
@@ -220,14 +31,6 @@ def cluster():
         c.stop()
         leftover = c.alive_pids()
         assert not leftover, f"processes of the test cluster still alive: {leftover}"
-
-
-def dlbatch(*args, timeout: float = JOB_TIMEOUT, cwd=ROOT, check: bool = False, env=None) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "dlbatch.cli", *args], cwd=cwd, env=env or _env(), capture_output=True,
-                       text=True, timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"dlbatch {' '.join(args)} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
-    return r
 
 
 def read_rows(out: Path):
@@ -257,21 +60,21 @@ def assert_complete(out: Path, docs: int, tasks=("summary", "keywords", "questio
 
 
 def test_unreachable_dashboard_is_a_clear_error_without_hanging():
-    port = _free_ports(1)[0]
+    port = free_ports(1)[0]
     t0 = time.monotonic()
-    r = dlbatch("submit", "jobs/papers.yaml", "--address", f"http://127.0.0.1:{port}", "--connect-timeout", "3",
+    r = run_dlbatch("submit", "jobs/papers.yaml", "--address", f"http://127.0.0.1:{port}", "--connect-timeout", "3",
                 "--wait", timeout=60)
     assert r.returncode == 1
     assert f"http://127.0.0.1:{port}" in r.stderr and "cannot reach the Ray dashboard" in r.stderr
     assert time.monotonic() - t0 < 30
-    r = dlbatch("logs", "raysubmit_x", "--address", f"127.0.0.1:{port}", "--connect-timeout", "3", timeout=60)
+    r = run_dlbatch("logs", "raysubmit_x", "--address", f"127.0.0.1:{port}", "--connect-timeout", "3", timeout=60)
     assert r.returncode == 1 and f"http://127.0.0.1:{port}" in r.stderr
-    r = dlbatch("stop", "raysubmit_x", "--address", "ray://127.0.0.1:10001", timeout=60)
+    r = run_dlbatch("stop", "raysubmit_x", "--address", "ray://127.0.0.1:10001", timeout=60)
     assert r.returncode == 2 and "dashboard" in r.stderr
 
 
 def test_upload_holds_code_and_a_resolved_job(tmp_path, monkeypatch):
-    from dlbatch.cli_cluster import build_upload, entrypoint
+    from dlbatch.cli.cluster import build_upload, entrypoint
     from dlbatch.jobspec import load_job
 
     monkeypatch.chdir(ROOT)
@@ -307,7 +110,7 @@ def _client(cluster):
 @pytest.mark.timeout(1200)  # includes starting the cluster, slow on a loaded machine
 def test_submit_wait_then_logs(cluster, tmp_path):
     out = tmp_path / "papers"
-    r = dlbatch("submit", "jobs/papers.yaml", "--address", cluster.dashboard, "--set", f"output.path={out}",
+    r = run_dlbatch("submit", "jobs/papers.yaml", "--address", cluster.dashboard, "--set", f"output.path={out}",
                 *TINY, "--wait", "--timeout", str(JOB_TIMEOUT - 60))
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}\n{cluster.start_log()[-2000:]}"
     sid = r.stdout.strip().splitlines()[0]
@@ -318,22 +121,22 @@ def test_submit_wait_then_logs(cluster, tmp_path):
     assert report["docs_this_run"] == 1
 
     # logs, here without RAY_AUTH_MODE: dlbatch finds the token and sends it itself
-    env = _env()
+    env = cluster_env()
     env.pop("RAY_AUTH_MODE")
-    r = dlbatch("logs", sid, "--address", cluster.dashboard.replace("http://", ""), timeout=120, env=env)
+    r = run_dlbatch("logs", sid, "--address", cluster.dashboard.replace("http://", ""), timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert "job 'papers' finished: 1 documents ok" in r.stdout
     assert f"{out}/_report.html" in r.stdout
     assert "attached to Ray cluster at auto" in r.stdout  # the job's driver used the cluster it runs on
 
-    r = dlbatch("logs", sid, "--address", cluster.dashboard, "--follow", "--timeout", "60", timeout=120)
+    r = run_dlbatch("logs", sid, "--address", cluster.dashboard, "--follow", "--timeout", "60", timeout=120)
     assert r.returncode == 0 and "job 'papers' finished" in r.stdout and "SUCCEEDED" in r.stderr
 
-    r = dlbatch("logs", "raysubmit_no_such_job", "--address", cluster.dashboard, timeout=120)
+    r = run_dlbatch("logs", "raysubmit_no_such_job", "--address", cluster.dashboard, timeout=120)
     assert r.returncode == 1 and "raysubmit_no_such_job" in r.stderr and cluster.dashboard in r.stderr
 
     # a finished job: stop says so and succeeds
-    r = dlbatch("stop", sid, "--address", cluster.dashboard, timeout=120)
+    r = run_dlbatch("stop", sid, "--address", cluster.dashboard, timeout=120)
     assert r.returncode == 0 and "already SUCCEEDED" in r.stdout
 
 
@@ -341,7 +144,7 @@ def test_submit_wait_then_logs(cluster, tmp_path):
 @pytest.mark.timeout(1200)  # includes starting the cluster, slow on a loaded machine
 def test_stop_a_running_job(cluster, tmp_path):
     out = tmp_path / "long"
-    r = dlbatch("submit", "jobs/papers.yaml", "--address", cluster.dashboard, "--set", f"output.path={out}",
+    r = run_dlbatch("submit", "jobs/papers.yaml", "--address", cluster.dashboard, "--set", f"output.path={out}",
                 "--set", "input.limit=4", "--set", "tasks.0.max_tokens=128", "--set", "model.max_model_len=2048",
                 "--submission-id", f"dlbatch-stop-{uuid.uuid4().hex[:8]}", timeout=120)
     assert r.returncode == 0, r.stderr
@@ -352,12 +155,12 @@ def test_stop_a_running_job(cluster, tmp_path):
     while client.get_job_status(sid).value == "PENDING" and time.monotonic() < deadline:
         time.sleep(0.5)
     assert client.get_job_status(sid).value == "RUNNING"
-    r = dlbatch("stop", sid, "--address", cluster.dashboard, "--timeout", "90", timeout=180)
+    r = run_dlbatch("stop", sid, "--address", cluster.dashboard, "--timeout", "90", timeout=180)
     assert r.returncode == 0, r.stderr
     assert f"job {sid}: STOPPED" in r.stdout
     assert client.get_job_status(sid).value == "STOPPED"
     # --wait on a stopped job reports the failure with exit 1
-    from dlbatch.cli_cluster import wait_for
+    from dlbatch.cli.cluster import wait_for
 
     assert wait_for(client, sid, cluster.dashboard, timeout=10) == 1
     # the stopped job wrote no complete output
@@ -368,12 +171,12 @@ def test_stop_a_running_job(cluster, tmp_path):
 @pytest.mark.ray
 @pytest.mark.timeout(1200)  # includes starting the cluster, slow on a loaded machine
 def test_run_attached_and_its_report(cluster, tmp_path):
-    from tests.test_report_html import PNG_MAGIC, lookup, parse, same
+    from tests.helpers.report_html import PNG_MAGIC, lookup, parse, same
 
-    from dlbatch.report_html import HEADLINE_KEYS
+    from dlbatch.report.html import HEADLINE_KEYS
 
     out = tmp_path / "attached"
-    r = dlbatch("run", "jobs/papers.yaml", "--address", cluster.gcs, "--no-progress",
+    r = run_dlbatch("run", "jobs/papers.yaml", "--address", cluster.gcs, "--no-progress",
                 "--set", f"output.path={out}", *TINY)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert f"attached to Ray cluster at {cluster.gcs}" in r.stderr  # not an embedded local Ray
@@ -417,14 +220,14 @@ def test_incremental_daily_job(cluster, tmp_path):
     args = ["run", "jobs/daily_incremental.yaml", "--address", cluster.gcs, "--no-progress",
             "--set", f"input.path={incoming}", "--set", f"output.path={out}", "--set", "tasks.0.max_tokens=6",
             "--set", "tasks.1.max_tokens=4", "--set", "model.max_model_len=2048"]
-    dlbatch(*args, check=True)
+    run_dlbatch(*args, check=True)
     first = _report(out)
     assert first["docs_this_run"] == 2 and first["rows_written"] == 4 and first["docs_ok"] == 2
     rows = read_rows(out)
     assert len(rows) == 4
 
     shutil.copy(pdfs[2], incoming / pdfs[2].name)  # a new file arrives
-    dlbatch(*args, check=True)
+    run_dlbatch(*args, check=True)
     second = _report(out)
     assert second["docs_this_run"] == 1 and second["rows_written"] == 2 and second["docs_ok"] == 3
     rows = read_rows(out)
@@ -433,7 +236,7 @@ def test_incremental_daily_job(cluster, tmp_path):
     assert len(set(keys)) == 6
     assert {Path(r["source"]).name for r in rows} == {p.name for p in pdfs[:3]}
 
-    r = dlbatch(*args, check=True)  # nothing new: a no-op that writes nothing
+    r = run_dlbatch(*args, check=True)  # nothing new: a no-op that writes nothing
     assert "already complete" in r.stderr
     assert len(read_rows(out)) == 6 and _report(out) == second
 
@@ -442,7 +245,7 @@ def test_incremental_daily_job(cluster, tmp_path):
 
 
 def test_metrics_are_noops_without_ray(monkeypatch):
-    import dlbatch.metrics as dm
+    import dlbatch.report.metrics as dm
 
     monkeypatch.setattr(dm, "_ray_ready", lambda: False)
     m = dm.JobMetrics("papers")
@@ -456,7 +259,7 @@ def test_metrics_are_noops_without_ray(monkeypatch):
 def test_metrics_record_through_ray_util_metrics(monkeypatch):
     import ray.util.metrics as rm
 
-    import dlbatch.metrics as dm
+    import dlbatch.report.metrics as dm
 
     calls = []
 

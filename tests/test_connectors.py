@@ -21,7 +21,7 @@ from connectors.ids import content_id
 from connectors.listing import list_inputs, read_document_file
 from connectors.sink import list_committed, read_committed, write_parquet_atomic
 from connectors.text_sources import read_hf, read_jsonl, read_parquet, read_text
-from tests.bad_inputs import build_bad_corpus
+from tests.helpers.bad_inputs import build_bad_corpus
 
 ROW_KEYS = {"doc_id", "source", "text", "title", "pages", "error", "error_type"}
 PDF_STRUCTURE_KEYS = {"abstract", "sections", "references", "references_span"}  # readable PDFs only
@@ -30,7 +30,7 @@ PDF_STRUCTURE_KEYS = {"abstract", "sections", "references", "references_span"}  
 @pytest.fixture
 def fast_retries():
     previous = io_retry.set_default_policy(
-        io_retry.RetryPolicy(max_attempts=4, initial_wait_s=0.001, max_wait_s=0.005, jitter_s=0.001))
+        io_retry.IOBackoff(max_attempts=4, initial_wait_s=0.001, max_wait_s=0.005, jitter_s=0.001))
     yield
     io_retry.set_default_policy(previous)
 
@@ -260,7 +260,7 @@ def test_gives_up_after_bounded_attempts(fast_retries):
     assert len(calls) == 4
     assert any("after 4 attempts" in n for n in info.value.__notes__)
     with pytest.raises(ValueError):
-        io_retry.RetryPolicy(max_attempts=0)
+        io_retry.IOBackoff(max_attempts=0)
 
 
 class FlakyMemoryFS(MemoryFileSystem):

@@ -1,4 +1,4 @@
-"""The dispatch objects (dlbatch.dispatch) driven without Ray or a model: fake workers that
+"""The dispatch objects (dlbatch.driver.dispatch) driven without Ray or a model: fake workers that
 crash, lose a node, or return engine errors. Counts are exact where the scenario fixes them."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import zlib
 
 import pytest
 
-from dlbatch.commit_buffer import CommitBuffer
-from dlbatch.dispatch import Dispatcher, request_id
-from dlbatch.retry_policy import RetryPolicy
+from dlbatch.driver.commit_buffer import CommitBuffer
+from dlbatch.driver.dispatch import Dispatcher, request_id
+from dlbatch.driver.retry_policy import RetryPolicy
 from dlbatch.router import Router, RouterConfig
 
 TASKS = ("summary", "keywords", "question")
@@ -332,9 +332,13 @@ def test_hung_input_source_fails_naming_what_it_waited_for(tmp_path):
     """The driver idles on an input pipeline that yields nothing: bounded by input_timeout_s."""
     import time
 
-    from dlbatch.checkpoint import OutputStore
+    from dlbatch.driver.loop import DispatchLoop
+    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.driver.pools import JobFailed, WorkerPools
     from dlbatch.jobspec import load_job
-    from dlbatch.runner import JobFailed, JobRunner
+    from dlbatch.report.metrics import JobMetrics
+    from dlbatch.report.progress import Progress
+    from dlbatch.report.run import RunReport, Tally
 
     class HungStream:  # a BatchPrefetcher whose Ray Data stream never produces a batch
         def get(self, timeout=0.0):
@@ -342,11 +346,15 @@ def test_hung_input_source_fails_naming_what_it_waited_for(tmp_path):
             return None
 
     out = str(tmp_path / "out")
-    runner = JobRunner(load_job("jobs/papers_jsonl.yaml", [f"output.path={out}"]), progress=False,
-                       input_timeout_s=1.0)
+    spec = load_job("jobs/papers_jsonl.yaml", [f"output.path={out}"])
+    pools = WorkerPools(spec)  # not started: one colocated worker that is never called
+    pools.workers = {"colocated": [None]}
     t0 = time.time()
+    tally = Tally(metrics=JobMetrics(spec.name), progress=Progress(spec.name, tty=False))
+    loop = DispatchLoop(spec, OutputStore(out), pools, HungStream(), RunReport(spec, None, t0), tally,
+                        input_timeout_s=1.0)
     with pytest.raises(JobFailed, match=r"no document came from the input pipeline \(list/parse/tokenize") as e:
-        runner._drive(OutputStore(out), HungStream(), {"colocated": [None]}, t0, "sig")
+        loop.run()
     assert "input_timeout 1 s" in str(e.value) and "Ray Data stages may be waiting for CPUs" in str(e.value)
     assert "intact" in str(e.value) and time.time() - t0 < 10
 

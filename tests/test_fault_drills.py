@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dlbatch.jobspec import load_job
-from tests.test_reliability import KEYCOLS, SHORT, _rows, _run, _run_in_thread
+from tests.helpers.jobs import SHORT, canon, output_rows, run_in_thread, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -25,15 +25,11 @@ EXTRA = ["input.limit=3", "model.dtype=float32", "batching.max_inflight_batches=
          "batching.max_batch_tokens=2048", "tasks.0.max_tokens=32"]
 
 
-def _canon(rows):
-    return sorted(tuple(r[c] for c in KEYCOLS) for r in rows)
-
-
 @pytest.fixture(scope="module")
 def reference(ray_local, sample_model, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ref") / "out")
-    _run("jobs/papers.yaml", out, EXTRA)
-    rows = _canon(_rows(out))
+    run_job("jobs/papers.yaml", out, EXTRA)
+    rows = canon(output_rows(out))
     assert len(rows) == 9
     return rows
 
@@ -54,13 +50,13 @@ def _in_call(pid: int, method: bytes) -> bool:
 
 @pytest.mark.parametrize("role,method", [("prefill", b"prefill"), ("decode", b"decode")])
 def test_pd_worker_kill9_outputs_equal_uninterrupted(ray_local, reference, tmp_path, role, method):
-    from dlbatch.runner import JobRunner
+    from dlbatch.driver.runner import JobRunner
 
     rng = random.Random(_seed())
     out = str(tmp_path / "out")
     spec = load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, *EXTRA])
     runner = JobRunner(spec, progress=False)
-    t, box = _run_in_thread(runner)
+    t, box = run_in_thread(runner)
     deadline = time.time() + 400
     while time.time() < deadline and not runner.inflight and t.is_alive():
         time.sleep(0.05)
@@ -80,6 +76,6 @@ def test_pd_worker_kill9_outputs_equal_uninterrupted(ray_local, reference, tmp_p
     rep = box["report"]
     assert rep["docs_ok"] == 3 and rep["docs_failed"] == 0, rep
     assert rep["retries"]["worker"] >= 1, "the kill must land on work in flight"
-    rows = _rows(out)
+    rows = output_rows(out)
     assert len({(r["doc_id"], r["task"]) for r in rows}) == len(rows) == 9
-    assert _canon(rows) == reference
+    assert canon(rows) == reference

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from dlbatch.testing.faultfs import FaultPlan, install
-from tests.test_reliability import SEQ, _canon, _jsonl, _rows, _run
+from tests.helpers.jobs import SEQ, canon, output_rows, run_job, write_jsonl
 
 DOCS3 = {"alpha": "Solar cells convert light into electricity with perovskite absorbers. " * 4,
          "beta": "Songbirds migrate at night and time their departure by day length. " * 4,
@@ -20,9 +20,9 @@ ONE_PER_PART = [*SEQ, "batching.max_batch_tokens=300"]
 
 @pytest.fixture
 def plan():
-    from connectors.io_retry import RetryPolicy, set_default_policy
+    from connectors.io_retry import IOBackoff, set_default_policy
 
-    prev = set_default_policy(RetryPolicy(max_attempts=3, initial_wait_s=0.01, max_wait_s=0.05, jitter_s=0.01))
+    prev = set_default_policy(IOBackoff(max_attempts=3, initial_wait_s=0.01, max_wait_s=0.05, jitter_s=0.01))
     p = install(FaultPlan())
     yield p
     install(FaultPlan())
@@ -30,23 +30,23 @@ def plan():
 
 
 def _exactly_once(out):
-    rows = _rows(out)
+    rows = output_rows(out)
     keys = [(r["doc_id"], r["task"]) for r in rows]
     assert len(keys) == len(set(keys)) == 3 * len(DOCS3), sorted(keys)
-    return _canon(rows)
+    return canon(rows)
 
 
 @pytest.mark.ray
 def test_drills_reply_lost_and_disk_full_exactly_once_equal_to_clean_run(ray_local, sample_model, tmp_path, plan):
-    src = _jsonl(tmp_path / "docs.jsonl", DOCS3)
+    src = write_jsonl(tmp_path / "docs.jsonl", DOCS3)
     extra = [f"input.path={src}", "input.id_field=id", "model.dtype=float32", *ONE_PER_PART]
-    _run("jobs/papers_jsonl.yaml", str(tmp_path / "clean"), extra, flush_docs=1)
+    run_job("jobs/papers_jsonl.yaml", str(tmp_path / "clean"), extra, flush_docs=1)
     clean = _exactly_once(str(tmp_path / "clean"))
 
     # every part commit's rename lands but reports an error: the run completes, no row twice
     out = f"faultfile://{tmp_path}/lost"
     plan.reply_lost = 100
-    rep = _run("jobs/papers_jsonl.yaml", out, extra, flush_docs=1)
+    rep = run_job("jobs/papers_jsonl.yaml", out, extra, flush_docs=1)
     assert plan.injected["reply_lost"] >= 2 and rep["docs_ok"] == 3  # parts and their index files
     assert _exactly_once(out) == clean
 
@@ -54,12 +54,12 @@ def test_drills_reply_lost_and_disk_full_exactly_once_equal_to_clean_run(ray_loc
     out = f"faultfile://{tmp_path}/full"
     install(FaultPlan(full_after_commits=1))
     with pytest.raises(OSError) as ei:
-        _run("jobs/papers_jsonl.yaml", out, extra, flush_docs=1)
+        run_job("jobs/papers_jsonl.yaml", out, extra, flush_docs=1)
     assert ei.value.errno == 28
-    first = _rows(out)
+    first = output_rows(out)
     assert 0 < len(first) and len(first) % 3 == 0  # whole documents only (the rest failed on ENOSPC)
     install(FaultPlan())
-    rep = _run("jobs/papers_jsonl.yaml", out, extra, flush_docs=1)
+    rep = run_job("jobs/papers_jsonl.yaml", out, extra, flush_docs=1)
     assert rep["docs_this_run"] == 3 - len(first) // 3
     assert _exactly_once(out) == clean
 
@@ -67,18 +67,18 @@ def test_drills_reply_lost_and_disk_full_exactly_once_equal_to_clean_run(ray_loc
 @pytest.mark.ray
 def test_appended_rows_and_raised_limit_are_processed_committed_not_redone(ray_local, sample_model, tmp_path):
     path = tmp_path / "docs.jsonl"
-    _jsonl(path, dict(list(DOCS3.items())[:2]))
+    write_jsonl(path, dict(list(DOCS3.items())[:2]))
     out = str(tmp_path / "out")
     extra = [f"input.path={path}", "input.id_field=id", "input.limit=1"]
-    assert _run("jobs/papers_jsonl.yaml", out, extra)["docs_ok"] == 1
-    rep = _run("jobs/papers_jsonl.yaml", out, extra[:2])  # limit lifted: not "nothing to do"
+    assert run_job("jobs/papers_jsonl.yaml", out, extra)["docs_ok"] == 1
+    rep = run_job("jobs/papers_jsonl.yaml", out, extra[:2])  # limit lifted: not "nothing to do"
     assert not rep.get("noop") and rep["docs_this_run"] == 1 and rep["docs_ok"] == 2
-    assert _run("jobs/papers_jsonl.yaml", out, extra[:2]).get("noop")  # nothing changed: nothing to do
+    assert run_job("jobs/papers_jsonl.yaml", out, extra[:2]).get("noop")  # nothing changed: nothing to do
     with open(path, "a") as f:  # a row appended to the same file
         f.write(json.dumps({"id": "gamma", "text": DOCS3["gamma"]}) + "\n")
-    rep = _run("jobs/papers_jsonl.yaml", out, extra[:2])
+    rep = run_job("jobs/papers_jsonl.yaml", out, extra[:2])
     assert not rep.get("noop") and rep["docs_this_run"] == 1 and rep["docs_ok"] == 3
-    keys = [(r["doc_id"], r["task"]) for r in _rows(out)]
+    keys = [(r["doc_id"], r["task"]) for r in output_rows(out)]
     assert len(keys) == len(set(keys)) == 9
 
 
@@ -170,7 +170,7 @@ class _FakeWorker:
 
 def _runner(via):
     from dlbatch.jobspec import load_job
-    from dlbatch.runner import JobRunner
+    from dlbatch.driver.runner import JobRunner
 
     r = JobRunner(load_job("jobs/papers_jsonl.yaml", []), progress=False)
     r.kv_via = via
@@ -180,7 +180,7 @@ def _runner(via):
 def test_shm_across_nodes_fails_at_start_naming_the_nodes(monkeypatch):
     import ray
 
-    from dlbatch.runner import JobFailed
+    from dlbatch.driver.runner import JobFailed
 
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
     split = {"prefill": [_FakeWorker("aaaa")], "decode": [_FakeWorker("aaaa"), _FakeWorker("bbbb")]}

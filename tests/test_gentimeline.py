@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dlbatch.gentimeline import GenerationTimeline, StartupClock
+from dlbatch.report.timeline import GenerationTimeline, StartupClock
 
 T0 = 1_000_000.0
 

@@ -90,7 +90,7 @@ def test_defaults_match_the_documented_job(tmp_path, monkeypatch):
     assert spec.input.id_field is None and spec.input.limit is None and spec.input.storage_options == {}
     assert spec.output.path == str(tmp_path / "out" / "papers") and spec.output.include_text is False
     assert (spec.model.name, spec.model.dtype, spec.model.max_model_len, spec.model.chat) == (
-        "smollm2-135m-instruct", "bfloat16", 8192, None)
+        "smollm2-135m-instruct", "bfloat16", None, None)
     assert [(t.name, t.max_tokens) for t in spec.tasks] == [("summary", 128), ("keywords", 32)]
     assert spec.sampling.model_dump() == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
     assert spec.long_inputs == "truncate"

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from tests.test_reliability import (KEYCOLS, _check_committed, _kill_group_and_ray, _rows, _run, _start_run,
-                                    raytmp)  # noqa: F401  (raytmp is a fixture)
+from tests.helpers.jobs import KEYCOLS, check_committed, kill_group_and_ray, output_rows, run_job, start_run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -41,8 +40,8 @@ def _extra(inputs):
 @pytest.fixture(scope="module")
 def reference(ray_local, sample_model, inputs, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("long_ref") / "out")
-    report = _run(JOB, out, _extra(inputs))
-    return report, _rows(out)
+    report = run_job(JOB, out, _extra(inputs))
+    return report, output_rows(out)
 
 
 def test_long_paper_summary_is_map_reduced_other_tasks_truncated(reference):
@@ -67,16 +66,16 @@ def test_driver_killed_between_map_and_reduce_commits_nothing_partial(reference,
     extra = _extra(inputs)
     log_path = tmp_path / "run.log"
     with open(log_path, "wb") as logf:
-        proc = _start_run(JOB, out, extra, raytmp, logf)
+        proc = start_run(JOB, out, extra, raytmp, logf)
         deadline = time.time() + 600
         while time.time() < deadline and proc.poll() is None and b"reduce requests" not in log_path.read_bytes():
             time.sleep(0.05)
         assert b"reduce requests" in log_path.read_bytes(), log_path.read_text()[-3000:]
-        _kill_group_and_ray(proc, raytmp)
-    rows = _rows(out)
+        kill_group_and_ray(proc, raytmp)
+    rows = output_rows(out)
     # the long paper's tasks are not all answered: none of its rows is committed
     assert not [r for r in rows if r["source"].endswith(LONG)], rows
-    _check_committed(out, JOB, extra, raytmp)
-    report = _run(JOB, out, extra)  # the rerun redoes the long paper's chunks
+    check_committed(out, JOB, extra, raytmp)
+    report = run_job(JOB, out, extra)  # the rerun redoes the long paper's chunks
     assert report["docs_ok"] == 2
-    assert _canon(_rows(out)) == _canon(ref_rows)
+    assert _canon(output_rows(out)) == _canon(ref_rows)

@@ -1,4 +1,4 @@
-"""dlbatch.longdoc.ChunkPlan: chunk boundaries, map -> reduce order, recursive reduce,
+"""dlbatch.prompts.longdoc.ChunkPlan: chunk boundaries, map -> reduce order, recursive reduce,
 serialisable state; driven without Ray or a model (real SmolLM2 tokenizer)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import pytest
 
 from connectors.pdf import extract_pdf
-from dlbatch.longdoc import ChunkPlan, chunk_spans, split_pieces
-from tests.test_pdf import PAPERS_DIR
+from dlbatch.prompts.longdoc import ChunkPlan, chunk_spans, split_pieces
+from tests.helpers.pdfs import PAPERS_DIR
 
 TASKS = [{"name": "summary", "prompt": "{{ text }}\n\nSummarize this paper in three sentences.", "max_tokens": 128},
          {"name": "keywords", "prompt": "{{ text }}\n\nList five keywords of this paper.", "max_tokens": 32}]
@@ -143,17 +143,17 @@ def test_bad_settings_are_named(tok, paper):
 
 def _stage(tmp_path, monkeypatch, map_reduce=False, **job):
     from dlbatch.jobspec import parse_job
-    from dlbatch.stages import PromptStage
+    from dlbatch.prompts.stage import PromptStage
 
     monkeypatch.chdir(tmp_path)
     spec = {"name": "t", "pipeline": "papers", "model": {"name": "smollm2-135m-instruct", "max_model_len": 2048},
             "tasks": TASKS, **job}
-    return PromptStage(parse_job(spec).to_dict(), map_reduce=map_reduce)
+    return PromptStage(parse_job(spec), map_reduce=map_reduce)
 
 
 @pytest.fixture(scope="module")
 def doc_row():
-    from dlbatch.stages import parse_file
+    from connectors.parse import parse_file
 
     (row,) = parse_file({"url": str(PAPERS_DIR / "tidal_array_wakes.pdf")}, "pdf", "text", None, None, None)
     return row
@@ -165,7 +165,7 @@ def _fits(rows, limit=2048):
 
 
 def test_truncate_and_middle_mark_rows(tmp_path, monkeypatch, tok, doc_row):
-    from dlbatch.stages import MIDDLE_MARK
+    from dlbatch.prompts.stage import MIDDLE_MARK
 
     for policy in ("truncate", "middle"):
         rows = _stage(tmp_path, monkeypatch, long_inputs=policy).process(doc_row)

@@ -24,7 +24,8 @@ def test_prompt_actors_one_locally_more_on_a_cluster():
 def test_parse_fused_into_prompt_stage_streams_one_file_per_block(ray_local, sample_model, capsys):
     from pipelines.papers import build
 
-    from dlbatch.stages import PromptStage, parse_file
+    from connectors.parse import parse_file
+    from dlbatch.prompts.stage import PromptStage
 
     spec = load_job(os.path.join(ROOT, "jobs/papers.yaml"), ["input.limit=3"])
     files = sorted(glob.glob(os.path.join(ROOT, "samples/papers/*.pdf")))[:3]
@@ -35,7 +36,7 @@ def test_parse_fused_into_prompt_stage_streams_one_file_per_block(ray_local, sam
     batches = [b.to_pylist() for b in ds.iter_batches(batch_size=None, batch_format="pyarrow")]
     assert len(batches) == len(files)  # every file is its own block: the first one is not held for the others
     assert all(len({r["doc_id"] for r in b}) == 1 for b in batches)
-    stage = PromptStage(spec.to_dict(), [], map_reduce=True)
+    stage = PromptStage(spec, [], map_reduce=True)
     expect = {}
     for f in files:
         for doc in parse_file({"url": f}, fmt="pdf", text_field="text", id_field=None, storage_options={},

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.tiny_models import VOCAB, make_tiny_model
+from tests.helpers.tiny_models import VOCAB, make_tiny_model
 
 pytestmark = pytest.mark.ray
 
@@ -37,7 +37,7 @@ def _reference(tiny_path, items):
 
 
 def _skip_unavailable(transport):
-    from dlbatch.transfer.base import get_transport
+    from dlbatch.transfer.choose import get_transport
     from dlbatch.transfer.errors import TransportUnavailable
 
     try:
@@ -62,10 +62,11 @@ def test_prefill_worker_to_decode_worker(ray_local, tiny_path, transport):
     import ray
 
     from dlbatch.transfer import rdt
-    from dlbatch.workers import WorkerSpec, make_worker_class
+    from dlbatch.driver.workers import WorkerSpec, make_worker_class
+    from dlbatch.engine.config import EngineConfig
 
     _skip_unavailable(transport)
-    spec = WorkerSpec(model=tiny_path, dtype="float32", max_model_len=256, chat=False, kv_transport=transport)
+    spec = WorkerSpec(model=tiny_path, engine=EngineConfig(dtype="float32", max_model_len=256), chat=False, kv_transport=transport)
     tt = transport == "rdt"
     pre = make_worker_class("prefill", tt).options(num_cpus=0.25, resources={"chip:fast": 1}).remote(spec)
     dec = make_worker_class("decode", tt).options(num_cpus=0.25, resources={"chip:cheap": 1}).remote(spec)
@@ -95,9 +96,10 @@ def test_decode_worker_killed_mid_batch_then_retried(ray_local, tiny_path):
     (no hang), Ray restarts the worker, the retried batch gives the same tokens."""
     import ray
 
-    from dlbatch.workers import WorkerSpec, make_worker_class
+    from dlbatch.driver.workers import WorkerSpec, make_worker_class
+    from dlbatch.engine.config import EngineConfig
 
-    spec = WorkerSpec(model=tiny_path, dtype="float32", max_model_len=256, chat=False)
+    spec = WorkerSpec(model=tiny_path, engine=EngineConfig(dtype="float32", max_model_len=256), chat=False)
     pre = make_worker_class("prefill").options(num_cpus=0.25, resources={"chip:fast": 1}).remote(spec)
     dec = make_worker_class("decode").options(num_cpus=0.25, resources={"chip:cheap": 1},
                                               max_restarts=2).remote(spec)
@@ -134,14 +136,15 @@ def test_decode_worker_killed_mid_batch_then_retried(ray_local, tiny_path):
 def test_payload_from_other_model_refused_by_decode_worker(ray_local, tiny_path, tmp_path):
     import ray
 
-    from dlbatch.workers import WorkerSpec, make_worker_class
+    from dlbatch.driver.workers import WorkerSpec, make_worker_class
+    from dlbatch.engine.config import EngineConfig
 
     other = str(tmp_path / "other")
     make_tiny_model("llama", other, seed=5)
     pre = make_worker_class("prefill").options(num_cpus=0.25).remote(
-        WorkerSpec(model=other, dtype="float32", max_model_len=256, chat=False))
+        WorkerSpec(model=other, engine=EngineConfig(dtype="float32", max_model_len=256), chat=False))
     dec = make_worker_class("decode").options(num_cpus=0.25).remote(
-        WorkerSpec(model=tiny_path, dtype="float32", max_model_len=256, chat=False))
+        WorkerSpec(model=tiny_path, engine=EngineConfig(dtype="float32", max_model_len=256), chat=False))
     try:
         items = _items(2, seed=2)
         outs = ray.get(dec.decode.remote(pre.prefill.remote(items), items), timeout=300)
@@ -158,9 +161,10 @@ def test_prefill_worker_killed_before_its_kv_is_pulled(ray_local, tiny_path):
     runner's retry: the KV is recomputed) gives the reference tokens."""
     import ray
 
-    from dlbatch.workers import WorkerSpec, make_worker_class
+    from dlbatch.driver.workers import WorkerSpec, make_worker_class
+    from dlbatch.engine.config import EngineConfig
 
-    spec = WorkerSpec(model=tiny_path, dtype="float32", max_model_len=256, chat=False, kv_transport="object_store")
+    spec = WorkerSpec(model=tiny_path, engine=EngineConfig(dtype="float32", max_model_len=256), chat=False, kv_transport="object_store")
     pre = make_worker_class("prefill").options(num_cpus=0.25, resources={"chip:fast": 1}, max_restarts=1).remote(spec)
     dec = make_worker_class("decode").options(num_cpus=0.25, resources={"chip:cheap": 1}).remote(spec)
     try:

@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import re
-import sys
 
 import pymupdf
 import pytest
 
 from connectors.pdf import (extract_pdf, is_page_number, join_lines, normalize_ligatures, tidy_line)
-from tests.bad_inputs import (blank_pdf, corrupt_pdf, encrypted_pdf, good_pdf, image_only_pdf,
-                              oversized_pdf, truncated_pdf)
+from tests.helpers.bad_inputs import (blank_pdf, corrupt_pdf, encrypted_pdf, good_pdf, image_only_pdf,
+                                      oversized_pdf, truncated_pdf)
+from tests.helpers.pdfs import PAPERS_DIR, SAMPLES
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAPERS_DIR = ROOT / "samples" / "papers"
-
-
-def _load_samples_module():
-    spec = importlib.util.spec_from_file_location("make_samples", ROOT / "samples" / "make_samples.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("make_samples", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-SAMPLES = _load_samples_module()
 PAPER_IDS = [p.slug for p in SAMPLES.PAPERS]
 SHORT_IDS = [p.slug for p in SAMPLES.SHORT_PAPERS]
 LONG_IDS = [p.slug for p in SAMPLES.LONG_PAPERS]

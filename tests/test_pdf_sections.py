@@ -15,7 +15,7 @@ import pytest
 
 from connectors.pdf import extract_pdf, styled_paragraphs
 from connectors.sections import Para, normalize_heading, split_sections
-from tests.test_pdf import PAPERS_DIR, SAMPLES
+from tests.helpers.pdfs import PAPERS_DIR, SAMPLES
 
 
 def _row(paper):

@@ -10,7 +10,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlbatch.jobspec import load_job
-from tests.s3server import s3_bucket, s3_options, s3_server  # noqa: F401  (pytest fixtures)
 
 pytestmark = pytest.mark.ray
 
@@ -21,11 +20,11 @@ FAST = ["tasks.0.max_tokens=2", "tasks.1.max_tokens=2", "tasks.2.max_tokens=2", 
 
 
 def _run(overrides):
-    from dlbatch.runner import JobRunner
+    from dlbatch.driver.runner import JobRunner
 
     spec = load_job("jobs/papers.yaml", FAST + overrides)
     report = JobRunner(spec, fresh=True, progress=False).run()
-    from dlbatch.checkpoint import OutputStore
+    from dlbatch.driver.output_store import OutputStore
 
     store = OutputStore(spec.output.path, spec.output.storage_options)
     rows = store.results().to_pylist()

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from dlbatch.progress import Progress, format_eta, remaining_tokens
+from dlbatch.report.progress import Progress, format_eta, remaining_tokens
 
 
 class Clock:

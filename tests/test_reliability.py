@@ -14,159 +14,21 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-import pyarrow.parquet as pq
 import pytest
 
 from dlbatch.jobspec import load_job
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHORT = ["tasks.0.max_tokens=8", "tasks.1.max_tokens=6", "tasks.2.max_tokens=6", "model.max_model_len=2048"]
-# one document per batch, one batch in flight: documents finish (and commit) one after another
-SEQ = ["batching.max_batch_tokens=4096", "batching.max_inflight_batches=1"]
-KEYCOLS = ["doc_id", "source", "task", "output", "prompt_tokens", "output_tokens", "finish_reason", "truncated"]
-
-
-# ---------------------------------------------------------------------------------- helpers
-def _rows(out, storage_options=None):
-    from dlbatch.checkpoint import OutputStore
-
-    return OutputStore(out, storage_options).results().to_pylist()
-
-
-def _canon(rows):
-    return sorted(tuple(r[c] for c in KEYCOLS) for r in rows)
-
-
-def _run(job, out, extra=(), **kw):
-    from dlbatch.runner import JobRunner
-
-    spec = load_job(job, [f"output.path={out}", *SHORT, *extra])
-    return JobRunner(spec, progress=False, **kw).run()
-
-
-def _sets(out, extra):
-    args = []
-    for s in [f"output.path={out}", *SHORT, *extra]:
-        args += ["--set", s]
-    return args
-
-
-def _env(raytmp):
-    env = dict(os.environ)
-    env.update(RAY_TMPDIR=raytmp, PYTHONPATH=REPO, RAY_ENABLE_UV_RUN_RUNTIME_ENV="0", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", RAY_USAGE_STATS_ENABLED="0",
-               RAY_AUTH_MODE="token")  # every node and driver uses the local token (~/.ray/auth_token)
-    env.setdefault("RAY_agent_register_timeout_ms", "180000")  # agents start slowly on a busy 2-core machine
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-def _start_run(job, out, extra, raytmp, logf, cli_args=()):
-    cmd = [sys.executable, "-m", "dlbatch.cli", "run", job, "--no-progress", "--commit-docs", "1",
-           "--commit-seconds", "0", *cli_args, *_sets(out, extra)]
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(raytmp), stdout=logf, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _procs_with(marker: str) -> list[int]:
-    """Pids whose command line or environment names `marker` (our Ray temp dir / node)."""
-    me = os.getpid()
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == me:
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{d}/environ", "rb") as f:
-                env = f.read()
-        except OSError:
-            continue
-        if marker.encode() in cmd or marker.encode() in env:
-            out.append(int(d))
-    return out
-
-
-def _kill_group_and_ray(proc, raytmp):
-    """kill -9 the driver's process group, then every process of its Ray (found by temp dir)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        pids = _procs_with(raytmp)
-        if not pids:
-            return
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.5)
-    raise AssertionError(f"processes of the killed run survive: {_procs_with(raytmp)}")
-
-
-def _parts(out):
-    return sorted(os.path.join(dp, f) for dp, _, fs in os.walk(out) for f in fs
-                  if f.endswith(".parquet") and "_tmp" not in dp)
-
-
-def _check_committed(out, job, extra, raytmp):
-    """Every committed part is a whole Parquet file, no (doc, task) twice, and `dlbatch status`
-    (in a subprocess, without Ray) says exactly what is committed."""
-    for p in _parts(out):
-        pq.read_table(p)  # a partial file would not parse
-    rows = _rows(out)
-    keys = [(r["doc_id"], r["task"]) for r in rows]
-    assert len(keys) == len(set(keys)), f"duplicate rows: {keys}"
-    st = _status(job, out, extra, raytmp)
-    by_doc: dict[str, set] = {}
-    for d, t in keys:
-        by_doc.setdefault(d, set()).add(t)
-    assert all(len(ts) == 3 for ts in by_doc.values()), f"a document is partly committed: {by_doc}"
-    assert (st["rows"], st["docs_done"], st["duplicate_rows"]) == (len(rows), len(by_doc), 0), st
-    assert st["docs_pending"] == st["docs_total"] - len(by_doc) - st["docs_failed"]
-    return rows, st
-
-
-def _status(job, out, extra, raytmp):
-    """`dlbatch status --json` in a fresh interpreter; it must not import Ray (so cannot start it).
-    It leaves with os._exit, as the `dlbatch` command does (dlbatch.cli:entry): Arrow's thread
-    pool torn down at interpreter exit can abort the process after its work is done."""
-    code = ("import os, sys, json; from dlbatch.cli import main; rc = main(sys.argv[1:]); "
-            "print(json.dumps({'ray_imported': 'ray' in sys.modules, 'rc': rc}), flush=True); os._exit(0)")
-    t0 = time.time()
-    r = subprocess.run([sys.executable, "-c", code, "status", job, "--json", *_sets(out, extra)], cwd=REPO,
-                       env=_env(raytmp), capture_output=True, text=True, timeout=120)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    assert r.returncode == 0 and len(lines) == 2, r.stdout + r.stderr
-    st, meta = json.loads(lines[0]), json.loads(lines[1])
-    assert meta == {"ray_imported": False, "rc": 0}
-    st["_seconds"] = time.time() - t0
-    return st
-
-
-@pytest.fixture
-def raytmp():
-    d = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
-    yield d
-    for p in _procs_with(d):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    shutil.rmtree(d, ignore_errors=True)
+from dlbatch.testing import faults
+from tests.helpers.jobs import (REPO, SEQ, SHORT, canon, check_committed, cli_sets, cli_status, committed_parts,
+                                kill_group_and_ray, output_rows, procs_with, ray_env, run_in_thread, run_job,
+                                start_run, write_jsonl)
 
 
 def _wait_first_commit(proc, out, timeout):
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if _parts(out):
+        if committed_parts(out):
             return True
         time.sleep(0.1)
     return False
@@ -182,8 +44,8 @@ def test_driver_kill9_at_random_points_then_resume_exactly_once(ray_local, sampl
     # at token 4, 3 runs in 3); the engine's exactness claims are fp32 ones
     job, extra = "jobs/papers.yaml", ["input.limit=2", "model.dtype=float32", *SEQ]
     base = str(tmp_path / "base")
-    _run(job, base, extra)  # the uninterrupted reference, greedy
-    ref = _canon(_rows(base))
+    run_job(job, base, extra)  # the uninterrupted reference, greedy
+    ref = canon(output_rows(base))
     assert len(ref) == 6
 
     out = str(tmp_path / "out")
@@ -194,22 +56,22 @@ def test_driver_kill9_at_random_points_then_resume_exactly_once(ray_local, sampl
     for i in range(3):
         for attempt in range(3):  # a run that dies on its own (Ray start-up timed out on a busy machine) is redone
             with open(tmp_path / f"run{i}.{attempt}.log", "wb") as logf:
-                proc = _start_run(job, out, extra, raytmp, logf)
+                proc = start_run(job, out, extra, raytmp, logf)
                 if i == 1:  # right after a commit lands (the next document's batch is already
                     # running then, and a fast CPU finishes it within a second)
                     _wait_first_commit(proc, out, timeout=600)
                     time.sleep(rng.uniform(0.0, 0.2))
                 elif i == 2:  # mid-batch: a worker of this run is in prefill() or decode()
-                    _wait_for_title(lambda: _procs_with(raytmp), b"WorkerImpl.prefill", 600, proc)
+                    _wait_for_title(lambda: procs_with(raytmp), b"WorkerImpl.prefill", 600, proc)
                     time.sleep(rng.uniform(0.0, 3.0))
                 else:  # anywhere early: Ray start-up, model load, parsing; at the latest when the
                     # first commit lands (a fast CPU runs the whole job within 40 s)
                     _wait_first_commit(proc, out, timeout=rng.uniform(2.0, 40.0))
                 rc = proc.poll()
-                _kill_group_and_ray(proc, raytmp)
+                kill_group_and_ray(proc, raytmp)
             if rc in (None, 0):
                 break
-        rows, st = _check_committed(out, job, extra, raytmp)
+        rows, st = check_committed(out, job, extra, raytmp)
         kills.append({"run": i, "finished_before_kill": rc == 0, "rows": len(rows),
                       "status_s": round(st["_seconds"], 1)})
     # the kill after the first commit leaves a half-done job: the rerun below really resumes
@@ -217,17 +79,17 @@ def test_driver_kill9_at_random_points_then_resume_exactly_once(ray_local, sampl
     print("kills:", kills)
 
     with open(tmp_path / "final.log", "wb") as logf:
-        proc = _start_run(job, out, extra, raytmp, logf)
+        proc = start_run(job, out, extra, raytmp, logf)
         rc = proc.wait(timeout=600)
     assert rc == 0, (tmp_path / "final.log").read_text()[-3000:]
-    rows, st = _check_committed(out, job, extra, raytmp)
-    assert _canon(rows) == ref  # every (document, task) once, equal to the uninterrupted run
+    rows, st = check_committed(out, job, extra, raytmp)
+    assert canon(rows) == ref  # every (document, task) once, equal to the uninterrupted run
     assert (st["docs_done"], st["docs_pending"], st["complete"]) == (2, 0, True)
     # a rerun of the finished job is a no-op that says so
-    r = subprocess.run([sys.executable, "-m", "dlbatch.cli", "run", job, "--no-progress", *_sets(out, extra)],
-                       cwd=REPO, env=_env(raytmp), capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "dlbatch.cli", "run", job, "--no-progress", *cli_sets(out, extra)],
+                       cwd=REPO, env=ray_env(raytmp), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr[-2000:]
-    assert _canon(_rows(out)) == ref
+    assert canon(output_rows(out)) == ref
 
 
 # ------------------------------------------------------- sampling: kill, resume, same rows
@@ -239,42 +101,37 @@ def test_sampling_resume_after_kill_reproduces_rows(ray_local, sample_model, tmp
     job, extra = "jobs/papers.yaml", ["input.limit=2", *SEQ, "sampling.temperature=0.8", "sampling.seed=7",
                                       "model.dtype=float32"]
     base = str(tmp_path / "base")
-    _run(job, base, extra)
-    ref = _canon(_rows(base))
+    run_job(job, base, extra)
+    ref = canon(output_rows(base))
     out = str(tmp_path / "out")
     with open(tmp_path / "run.log", "wb") as logf:
-        proc = _start_run(job, out, extra, raytmp, logf)
+        proc = start_run(job, out, extra, raytmp, logf)
         assert _wait_first_commit(proc, out, timeout=400), (tmp_path / "run.log").read_text()[-3000:]
-        _kill_group_and_ray(proc, raytmp)
-    rows, _ = _check_committed(out, job, extra, raytmp)
+        kill_group_and_ray(proc, raytmp)
+    rows, _ = check_committed(out, job, extra, raytmp)
     assert len(rows) == 3, "the kill must land with one of two documents committed"
-    rep = _run(job, out, extra)  # resume (on the test session's Ray)
+    rep = run_job(job, out, extra)  # resume (on the test session's Ray)
     assert rep["rows_written"] == 3 and rep["docs_ok"] == 2
-    assert _canon(_rows(out)) == ref
+    assert canon(output_rows(out)) == ref
     # the seed matters: another job seed samples other tokens somewhere
     other = str(tmp_path / "other")
-    _run(job, other, ["input.limit=2", *SEQ, "sampling.temperature=0.8", "sampling.seed=8"])
-    assert _canon(_rows(other)) != ref
+    run_job(job, other, ["input.limit=2", *SEQ, "sampling.temperature=0.8", "sampling.seed=8"])
+    assert canon(output_rows(other)) != ref
 
 
 # ---------------------------------------------------------- no-op rerun, --fresh, status
-def _jsonl(path, docs):
-    path.write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in docs.items()))
-    return str(path)
-
-
 DOCS = {"alpha": "Solar cells convert light into electricity with perovskite absorbers. " * 6,
         "beta": "Songbirds migrate at night and time their departure by day length. " * 6}
 
 
 @pytest.mark.ray
 def test_noop_rerun_and_fresh_touches_only_this_jobs_files(ray_local, sample_model, tmp_path):
-    src = _jsonl(tmp_path / "docs.jsonl", DOCS)
+    src = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     out = tmp_path / "area" / "out"
     extra = [f"input.path={src}", "input.id_field=id"]
-    rep = _run("jobs/papers_jsonl.yaml", str(out), extra)
-    assert rep["docs_ok"] == 2 and len(_rows(str(out))) == 6
-    first = _canon(_rows(str(out)))
+    rep = run_job("jobs/papers_jsonl.yaml", str(out), extra)
+    assert rep["docs_ok"] == 2 and len(output_rows(str(out))) == 6
+    first = canon(output_rows(str(out)))
     # things that are not this job's: in the output dir, next to it, above it
     (out / "README.txt").write_text("keep me")
     (out / "notes").mkdir()
@@ -284,14 +141,14 @@ def test_noop_rerun_and_fresh_touches_only_this_jobs_files(ray_local, sample_mod
     (tmp_path / "area" / "sibling" / "_manifest.json").write_text("{}")
     before_outside = sorted(p for p in (tmp_path / "area").rglob("*") if out not in p.parents and p != out)
 
-    again = _run("jobs/papers_jsonl.yaml", str(out), extra)
-    assert again.get("noop") and _canon(_rows(str(out))) == first
-    parts_before = _parts(str(out))
+    again = run_job("jobs/papers_jsonl.yaml", str(out), extra)
+    assert again.get("noop") and canon(output_rows(str(out))) == first
+    parts_before = committed_parts(str(out))
 
-    fresh = _run("jobs/papers_jsonl.yaml", str(out), extra, fresh=True)
+    fresh = run_job("jobs/papers_jsonl.yaml", str(out), extra, fresh=True)
     assert fresh["rows_written"] == 6 and fresh["docs_ok"] == 2
-    assert _canon(_rows(str(out))) == first  # started over: same rows, none twice
-    assert not set(parts_before) & set(_parts(str(out)))  # the old parts are gone
+    assert canon(output_rows(str(out))) == first  # started over: same rows, none twice
+    assert not set(parts_before) & set(committed_parts(str(out)))  # the old parts are gone
     assert (out / "README.txt").read_text() == "keep me" and (out / "notes" / "table.csv").exists()
     after_outside = sorted(p for p in (tmp_path / "area").rglob("*") if out not in p.parents and p != out)
     assert after_outside == before_outside
@@ -299,9 +156,9 @@ def test_noop_rerun_and_fresh_touches_only_this_jobs_files(ray_local, sample_mod
 
 
 def test_status_does_not_import_ray_and_counts_committed(tmp_path, raytmp):
-    from dlbatch.checkpoint import OutputStore
+    from dlbatch.driver.output_store import OutputStore
 
-    src = _jsonl(tmp_path / "docs.jsonl", {**DOCS, "gamma": "Third document. " * 5})
+    src = write_jsonl(tmp_path / "docs.jsonl", {**DOCS, "gamma": "Third document. " * 5})
     out = str(tmp_path / "out")
     store = OutputStore(out)
     row = {"source": src, "output": "x", "prompt_tokens": 10, "output_tokens": 2, "finish_reason": "length",
@@ -313,27 +170,13 @@ def test_status_does_not_import_ray_and_counts_committed(tmp_path, raytmp):
     with open(os.path.join(out, "_tmp", "half.parquet"), "wb") as f:
         f.write(b"PAR1 half a file")  # a crash leftover: ignored
     extra = [f"input.path={src}", "input.id_field=id"]
-    st = _status("jobs/papers_jsonl.yaml", out, extra, raytmp)
+    st = cli_status("jobs/papers_jsonl.yaml", out, extra, raytmp)
     assert (st["docs_total"], st["docs_done"], st["docs_failed"], st["docs_pending"]) == (3, 1, 1, 1)
     assert (st["rows"], st["prompt_tokens"], st["output_tokens"], st["complete"]) == (3, 30, 6, False)
     assert st["_seconds"] < 60
 
 
 # ----------------------------------------------------------------------- worker faults
-def _run_in_thread(runner):
-    box = {}
-
-    def target():
-        try:
-            box["report"] = runner.run()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, box
-
-
 def _cpu_busy(pid: int, window: float = 0.1) -> bool:
     """Whether process `pid` used the CPU for at least half of the next `window` seconds
     (a worker inside a prefill call computes; an idle one waits). The worker's process title
@@ -356,7 +199,7 @@ def _cpu_busy(pid: int, window: float = 0.1) -> bool:
 def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path, via):
     """rdt: the restarted prefill worker is a new process outside the collective group; the
     runner re-forms the group once nothing is in flight, and the job completes."""
-    from dlbatch.runner import JobRunner
+    from dlbatch.driver.runner import JobRunner
     from dlbatch.transfer import rdt
 
     if via == "rdt" and rdt.unavailable_reason("cpu"):
@@ -367,7 +210,7 @@ def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path,
     spec = load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, "input.limit=2", f"cluster.kv_transport={via}",
                                          "model.dtype=float32"])
     runner = JobRunner(spec, progress=False)
-    t, box = _run_in_thread(runner)
+    t, box = run_in_thread(runner)
     deadline = time.time() + 400
     while time.time() < deadline and not runner.inflight and t.is_alive():
         time.sleep(0.05)
@@ -385,19 +228,19 @@ def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path,
     assert rep["retries"]["worker"] >= 2 and rep["docs_ok"] == 2 and rep["docs_failed"] == 0
     assert rep["kv_transport"] == ("rdt" if via == "rdt" else "object_store")
     assert rep["rdt_regroups"] == (1 if via == "rdt" else 0)
-    rows = _rows(out)
+    rows = output_rows(out)
     assert len(rows) == 6 and len({(r["doc_id"], r["task"]) for r in rows}) == 6
 
 
 @pytest.mark.ray
-def test_poison_pill_dead_lettered_others_complete(ray_local, sample_model, tmp_path):
-    from dlbatch.checkpoint import OutputStore
+def test_poison_pill_dead_lettered_others_complete(ray_local, sample_model, tmp_path, monkeypatch):
+    from dlbatch.driver.output_store import OutputStore
 
-    src = _jsonl(tmp_path / "docs.jsonl", {**DOCS, "poison": "This document crashes every worker. " * 6})
+    src = write_jsonl(tmp_path / "docs.jsonl", {**DOCS, "poison": "This document crashes every worker. " * 6})
     out = str(tmp_path / "out")
-    rep = _run("jobs/papers_jsonl.yaml", out, [f"input.path={src}", "input.id_field=id"],
-               worker_options={"fail_on": "poison::"})
-    rows = _rows(out)
+    monkeypatch.setenv(*faults.env(die_on="poison::").popitem())  # a worker dies on the poison document
+    rep = run_job("jobs/papers_jsonl.yaml", out, [f"input.path={src}", "input.id_field=id"])
+    rows = output_rows(out)
     assert sorted({r["doc_id"] for r in rows}) == ["alpha", "beta"] and len(rows) == 6
     errs = OutputStore(out).errors().to_pylist()
     assert [(e["doc_id"], e["stage"], e["error_type"]) for e in errs] == [("poison", "generate", "WorkerCrash")]
@@ -407,15 +250,16 @@ def test_poison_pill_dead_lettered_others_complete(ray_local, sample_model, tmp_
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_poison_pill_outlives_worker_restarts_job_fails_clearly(ray_local, sample_model, tmp_path):
-    from dlbatch.runner import MAX_RESTARTS, JobFailed, JobRunner
+def test_poison_pill_outlives_worker_restarts_job_fails_clearly(ray_local, sample_model, tmp_path, monkeypatch):
+    from dlbatch.driver.runner import MAX_RESTARTS, JobFailed, JobRunner
 
-    src = _jsonl(tmp_path / "docs.jsonl", {"poison": "This document crashes every worker. " * 6})
+    src = write_jsonl(tmp_path / "docs.jsonl", {"poison": "This document crashes every worker. " * 6})
     out = str(tmp_path / "out")
     spec = load_job("jobs/papers_jsonl.yaml", [f"output.path={out}", *SHORT, f"input.path={src}", "input.id_field=id",
                                                 f"retries.max_attempts={MAX_RESTARTS + 4}"])
-    runner = JobRunner(spec, progress=False, worker_options={"fail_on": "poison::"})
-    t, box = _run_in_thread(runner)
+    monkeypatch.setenv(*faults.env(die_on="poison::").popitem())
+    runner = JobRunner(spec, progress=False)
+    t, box = run_in_thread(runner)
     t.join(timeout=900)
     assert not t.is_alive(), "the job hangs on a worker that can no longer restart"
     assert isinstance(box.get("error"), JobFailed), box
@@ -475,10 +319,10 @@ def _faulty_fs_class():
 
 @pytest.fixture
 def faulty_fs():
-    from connectors.io_retry import RetryPolicy, set_default_policy
+    from connectors.io_retry import IOBackoff, set_default_policy
 
     cls = _faulty_fs_class()
-    prev = set_default_policy(RetryPolicy(max_attempts=5, initial_wait_s=0.01, max_wait_s=0.05, jitter_s=0.01))
+    prev = set_default_policy(IOBackoff(max_attempts=5, initial_wait_s=0.01, max_wait_s=0.05, jitter_s=0.01))
     yield cls
     set_default_policy(prev)
     cls.plan, cls.injected, cls.permanent = {}, {}, set()
@@ -486,16 +330,16 @@ def faulty_fs():
 
 @pytest.mark.ray
 def test_transient_io_errors_retried_and_counted(ray_local, sample_model, tmp_path, faulty_fs):
-    from dlbatch.checkpoint import OutputStore
+    from dlbatch.driver.output_store import OutputStore
 
-    src = _jsonl(tmp_path / "docs.jsonl", DOCS)
+    src = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     out = f"faultymem://reliability-{os.getpid()}-{time.time_ns()}/out"
     extra = [f"input.path={src}", "input.id_field=id"]
     faulty_fs.plan = {"pipe_file": 3, "mv": 2, "makedirs": 1}
-    rep = _run("jobs/papers_jsonl.yaml", out, extra)
+    rep = run_job("jobs/papers_jsonl.yaml", out, extra)
     assert sum(faulty_fs.injected.values()) == 6 and faulty_fs.plan == {"pipe_file": 0, "mv": 0, "makedirs": 0}
     assert rep["retries"]["io"] == 6  # every injected failure retried once, and counted in the report
-    rows = _rows(out)
+    rows = output_rows(out)
     assert len(rows) == 6 and len({(r["doc_id"], r["task"]) for r in rows}) == 6
     store = OutputStore(out)
     assert json.loads(store.fs.cat_file(store._p("_report.json")))["retries"]["io"] == 6
@@ -504,16 +348,16 @@ def test_transient_io_errors_retried_and_counted(ray_local, sample_model, tmp_pa
 
     before = retry_count()
     faulty_fs.plan, faulty_fs.injected = {"cat_file": 2, "find": 1}, {}
-    again = _run("jobs/papers_jsonl.yaml", out, extra)
+    again = run_job("jobs/papers_jsonl.yaml", out, extra)
     assert again.get("noop") and sum(faulty_fs.injected.values()) == 3 and retry_count() - before == 3
-    assert _canon(_rows(out)) == _canon(rows)
+    assert canon(output_rows(out)) == canon(rows)
 
 
 def test_permanent_io_error_fails_with_clear_message_and_keeps_committed(tmp_path, faulty_fs, capsys):
-    from dlbatch.checkpoint import OutputStore
+    from dlbatch.driver.output_store import OutputStore
     from dlbatch.cli import main
 
-    src = _jsonl(tmp_path / "docs.jsonl", DOCS)
+    src = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     out = f"faultymem://reliability-perm-{os.getpid()}-{time.time_ns()}/out"
     store = OutputStore(out)
     row = {"source": src, "output": "x", "prompt_tokens": 10, "output_tokens": 2, "finish_reason": "length",
@@ -522,7 +366,7 @@ def test_permanent_io_error_fails_with_clear_message_and_keeps_committed(tmp_pat
                                 False)
     blob = store.fs.cat_file(store.fs._strip_protocol(part))
     faulty_fs.permanent = {"pipe_file", "mv", "makedirs"}
-    rc = main(["run", "jobs/papers_jsonl.yaml", "--no-progress", *_sets(out, [f"input.path={src}",
+    rc = main(["run", "jobs/papers_jsonl.yaml", "--no-progress", *cli_sets(out, [f"input.path={src}",
                                                                              "input.id_field=id"])])
     err = capsys.readouterr().err
     assert rc == 1
@@ -530,7 +374,7 @@ def test_permanent_io_error_fails_with_clear_message_and_keeps_committed(tmp_pat
     assert "not retried" in err  # permanent: no retry loop
     faulty_fs.permanent = set()
     assert store.fs.cat_file(store.fs._strip_protocol(part)) == blob
-    assert len(_rows(out)) == 3
+    assert len(output_rows(out)) == 3
 
 
 # ------------------------------------------------------------------------- node faults
@@ -562,7 +406,7 @@ class LocalCluster:
         else:
             cmd += [f"--address={self.address}"]
         logf = open(os.path.join(self.base, f"{name}.log"), "wb")
-        proc = subprocess.Popen(cmd, env=_env(tmp), stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=ray_env(tmp), stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         self.nodes[name] = (proc, tmp, logf)
         return tmp
 
@@ -588,7 +432,7 @@ class LocalCluster:
         except ProcessLookupError:
             pass
         for _ in range(60):
-            pids = _procs_with(tmp)
+            pids = procs_with(tmp)
             if not pids:
                 break
             for p in pids:
@@ -602,7 +446,7 @@ class LocalCluster:
         shutil.rmtree(tmp, ignore_errors=True)
 
     def node_pids(self, name):
-        return _procs_with(self.nodes[name][1])
+        return procs_with(self.nodes[name][1])
 
     def shutdown(self):
         for name in [n for n in self.nodes if n != "head"] + (["head"] if "head" in self.nodes else []):
@@ -634,7 +478,7 @@ def test_two_node_cluster_worker_node_killed_mid_job(sample_model, tmp_path):
         # 1. the decode worker's node dies mid-decode; another node with that chip joins: complete output
         out = str(tmp_path / "out")
         with open(tmp_path / "job1.log", "wb") as logf:
-            proc = _start_run(job, out, extra, head_tmp, logf,
+            proc = start_run(job, out, extra, head_tmp, logf,
                               cli_args=["--address", cluster.address, "--resource-timeout", "180"])
             pid = _wait_for_title(lambda: cluster.node_pids("n2"), b"DecodeWorkerImpl.decode", 400, proc)
             assert pid is not None, (tmp_path / "job1.log").read_text()[-3000:]
@@ -643,14 +487,14 @@ def test_two_node_cluster_worker_node_killed_mid_job(sample_model, tmp_path):
             rc = proc.wait(timeout=600)
         log1 = (tmp_path / "job1.log").read_text()
         assert rc == 0, log1[-4000:]
-        rows, st = _check_committed(out, job, extra, head_tmp)
+        rows, st = check_committed(out, job, extra, head_tmp)
         assert len(rows) == 6 and st["complete"] and st["docs_done"] == 2
         assert "retrying document" in log1  # the lost batch was retried on the restarted worker
         t1 = time.time()
         # 2. the only node with the decode chip dies and none comes back: a clear failure, no hang
         out2 = str(tmp_path / "out2")
         with open(tmp_path / "job2.log", "wb") as logf:
-            proc = _start_run(job, out2, extra, head_tmp, logf,
+            proc = start_run(job, out2, extra, head_tmp, logf,
                               cli_args=["--address", cluster.address, "--resource-timeout", "20"])
             pid = _wait_for_title(lambda: cluster.node_pids("n3"), b"DecodeWorkerImpl.decode", 400, proc)
             assert pid is not None, (tmp_path / "job2.log").read_text()[-3000:]
@@ -661,7 +505,7 @@ def test_two_node_cluster_worker_node_killed_mid_job(sample_model, tmp_path):
         log2 = (tmp_path / "job2.log").read_text()
         assert rc == 1, log2[-4000:]
         assert "no node of the Ray cluster provides chip:cheap" in log2, log2[-4000:]
-        _check_committed(out2, job, extra, head_tmp)
+        check_committed(out2, job, extra, head_tmp)
         print(f"node test: phase 1 {t1 - t0:.0f} s, phase 2 {time.time() - t1:.0f} s, failed {t_fail:.0f} s "
               f"after the kill")
     finally:

@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import base64
-import json
 import math
-from html.parser import HTMLParser
 
 import pytest
 
-from dlbatch.report_html import COST_KEYS, HEADLINE_KEYS, render_report
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+from dlbatch.report.html import COST_KEYS, HEADLINE_KEYS, render_report
+from tests.helpers.report_html import PNG_MAGIC, lookup, parse, same
 
 
 def full_report():
@@ -44,72 +41,6 @@ def full_report():
                        "decode_tokens": [0.0] * 12 + [100.0, 120.0, 130.0, 90.0, 40.0], "first_token_s": 12.0,
                        "last_done_s": 17.0, "requests": 9, "driver_clock_requests": 0},
     }
-
-
-class DataKeys(HTMLParser):
-    """Collects the text of every element carrying data-key / data-derived, and img sources."""
-
-    def __init__(self):
-        super().__init__()
-        self.values: dict[str, str] = {}
-        self.derived: dict[str, str] = {}
-        self.images: list[str] = []
-        self.external: list[str] = []
-        self._stack: list[tuple[str, str, str]] = []
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        if tag == "img":
-            self.images.append(attrs.get("src", ""))
-        for a in ("href", "src"):
-            if a in attrs and not str(attrs[a]).startswith("data:"):
-                self.external.append(attrs[a])
-        if "data-key" in attrs:
-            self._stack.append((tag, "key", attrs["data-key"]))
-        elif "data-derived" in attrs:
-            self._stack.append((tag, "derived", attrs["data-derived"]))
-        else:
-            self._stack.append((tag, "", ""))
-        self._text = []
-
-    def handle_data(self, data):
-        if self._stack and self._stack[-1][1]:
-            self._text.append(data)
-
-    def handle_endtag(self, tag):
-        if not self._stack:
-            return
-        _, kind, key = self._stack.pop()
-        if kind == "key":
-            self.values[key] = "".join(self._text)
-        elif kind == "derived":
-            self.derived[key] = "".join(self._text)
-
-
-def parse(path) -> DataKeys:
-    parser = DataKeys()
-    with open(path, encoding="utf-8") as f:
-        parser.feed(f.read())
-    return parser
-
-
-def lookup(report, key):
-    if key in report:
-        return report[key]
-    node = report
-    for part in key.split("."):
-        node = node[part]
-    return node
-
-
-def same(text: str, value) -> bool:
-    if isinstance(value, bool) or value is None:
-        return text == json.dumps(value)
-    if isinstance(value, (int, float)):
-        return float(text) == float(value) and (not isinstance(value, int) or text == str(value))
-    if isinstance(value, str):
-        return text == value
-    return json.loads(text) == value
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +154,7 @@ def test_rejects_non_mapping(tmp_path):
 
 
 def test_throughput_is_binned_by_generation_time_with_a_startup_band():
-    from dlbatch.report_html import _startup_span, generation_rates
+    from dlbatch.report.html import _startup_span, generation_rates
 
     report = full_report()
     xs, pre, dec = generation_rates(report["generation"])

@@ -11,7 +11,6 @@ import pytest
 from connectors import io_retry
 from connectors.listing import list_inputs, read_document_file
 from connectors.sink import list_committed, read_committed, write_parquet_atomic
-from tests.s3server import s3_bucket, s3_options, s3_server  # noqa: F401  (pytest fixtures)
 
 PAPERS = sorted((pathlib.Path(__file__).resolve().parent.parent / "samples" / "papers").glob("*.pdf"))
 
@@ -67,7 +66,7 @@ def test_s3_list_read_write_roundtrip(loaded_bucket, s3_options):
 def test_s3_transient_read_failures_are_retried(loaded_bucket, s3_options, monkeypatch):
     from botocore.exceptions import ClientError
 
-    previous = io_retry.set_default_policy(io_retry.RetryPolicy(max_attempts=4, initial_wait_s=0.001,
+    previous = io_retry.set_default_policy(io_retry.IOBackoff(max_attempts=4, initial_wait_s=0.001,
                                                                 max_wait_s=0.005, jitter_s=0.001))
     try:
         url = f"s3://{loaded_bucket}/in/papers/{PAPERS[0].name}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dlbatch.solver import ModelSpec, Workload, catalog_profiles, format_simulation, simulate, solve
-from tests.test_solver import TINY, chip
+from tests.helpers.solver import TINY, chip
 
 
 @pytest.fixture(scope="module")

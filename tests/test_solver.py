@@ -6,24 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from dlbatch.solver import (ChipProfile, CostModel, DeadlineError, ModelSpec, NoAvailabilityError,
-                            NoFeasibleChipError, Plan, ProfileError, SolverError, Workload, calibrate,
-                            catalog_profiles, compare_heterogeneous, fit_decode, fit_prefill, format_plan,
-                            load_catalog, load_profile, measured_efficiencies, plan_command, save_profile,
-                            simulate_command, solve, to_profile)
+from dlbatch.solver import (DeadlineError, ModelSpec, NoAvailabilityError, NoFeasibleChipError, Plan, ProfileError,
+                            SolverError, Workload, calibrate, catalog_profiles, compare_heterogeneous, fit_decode,
+                            fit_prefill, format_plan, load_catalog, load_profile, measured_efficiencies, plan_command,
+                            save_profile, simulate_command, solve, to_profile)
 from dlbatch.solver.catalog import DEFAULT_CATALOG
-
-TINY = ModelSpec(name="tiny", n_params=1000, weight_bytes=1000, n_layers=1, kv_heads=1, head_dim=1,
-                 kv_dtype_bytes=1)
-# one task per doc, 1000 prefix tokens, 100 output tokens: P = 1000 tokens, K*O = 100 tokens
-WL = Workload(n_docs=1000, tasks_per_doc=1, doc_tokens=(1000,), suffix_tokens=(0,), output_tokens=(100,))
-
-
-def chip(name, tp=0.1, td=0.1, price=1.0, memory=1e9, link=1e12):
-    """A chip whose per-doc prefill time is ``tp`` and decode time ``td`` on WL."""
-    return ChipProfile(name=name, source="measured", memory_bytes=memory, mem_bw=1e12, kv_link_bw=link,
-                       price_per_hour=price, prefill=CostModel(0.0, tp / 1000.0, 0.0),
-                       decode=CostModel(0.0, td / 100.0, 0.0), model="tiny")
+from tests.helpers.solver import TINY, WL, chip
 
 
 # -- profiles -----------------------------------------------------------------------

@@ -17,7 +17,7 @@ CATALOG = os.path.join(ROOT, "configs", "chips", "catalog.yaml")
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from tests.tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     path = str(tmp_path_factory.mktemp("tiny") / "smollm")
     make_tiny_model("smollm", path)
@@ -101,8 +101,8 @@ def test_plan_one_chip_type_compares_colocated_and_pd_and_runner_reads_it(tmp_pa
     assert sum(p["replicas"] for p in plan["pools"]) <= 4
     # the runner's view of the plan: one PoolSpec per role, placed on Ray resource chip:<name>
     from dlbatch.jobspec import load_job
-    from dlbatch.runner import JobRunner
-    from dlbatch.session import chip_resource
+    from dlbatch.driver.runner import JobRunner
+    from dlbatch.driver.session import chip_resource
 
     pools = JobRunner(load_job(JOB), plan=plan)._pools()
     assert set(pools) == {p["role"] for p in plan["pools"]}

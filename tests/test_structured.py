@@ -21,7 +21,7 @@ def _spec(tasks, **extra):
 
 # ---- JSON schema -> Arrow types ---------------------------------------------------------------------
 def test_arrow_types_from_schema():
-    from dlbatch.structured import arrow_type
+    from dlbatch.prompts.structured import arrow_type
 
     schema = {"type": "object", "properties": {
         "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"}, "b": {"type": "boolean"},
@@ -44,7 +44,7 @@ def test_arrow_types_from_schema():
 def test_pydantic_schema_types():
     from pydantic import BaseModel
 
-    from dlbatch.structured import arrow_type
+    from dlbatch.prompts.structured import arrow_type
 
     class Author(BaseModel):
         name: str
@@ -71,7 +71,7 @@ def test_output_spec_validation():
     with pytest.raises(JobSpecError, match="does not compile"):
         _spec([{"name": "a", "prompt": "{{ text }}", "output": {"regex": "(a"}}])
     s = _spec([{"name": "a", "prompt": "{{ text }}", "output": {"choices": ["x", "y"]}}])
-    from dlbatch.structured import task_constraints
+    from dlbatch.prompts.structured import task_constraints
 
     assert task_constraints(s) == {"a": {"kind": "choices", "spec": ["x", "y"]}}
 
@@ -96,7 +96,7 @@ def test_schema_file_next_to_the_job(tmp_path):
 
 def test_structured_job_file_loads():
     spec = load_job("jobs/papers_structured.yaml")
-    from dlbatch.structured import result_fields
+    from dlbatch.prompts.structured import result_fields
 
     f = {x.name: x.type for x in result_fields(spec)}
     assert f["record_json"] == pa.struct([("title", pa.string()), ("field", pa.string()),
@@ -111,7 +111,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "tags": {"t
 
 
 def test_row_fields_validity():
-    from dlbatch.structured import row_fields
+    from dlbatch.prompts.structured import row_fields
 
     spec = _spec([{"name": "j", "prompt": "{{ text }}", "output": {"json_schema": SCHEMA}},
                   {"name": "c", "prompt": "{{ text }}", "output": {"choices": ["yes", "no"]}},
@@ -133,8 +133,8 @@ def test_row_fields_validity():
 
 
 def test_committed_parquet_loads_typed_in_pandas(tmp_path):
-    from dlbatch.checkpoint import OutputStore
-    from dlbatch.structured import result_fields, row_fields
+    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.prompts.structured import result_fields, row_fields
 
     spec = _spec([{"name": "j", "prompt": "{{ text }}", "output": {"json_schema": SCHEMA}},
                   {"name": "k", "prompt": "{{ text }}", "output": {"json_schema": {
@@ -162,7 +162,7 @@ def test_committed_parquet_loads_typed_in_pandas(tmp_path):
 
 
 def test_task_error_counts_as_the_tasks_outcome(tmp_path):
-    from dlbatch.checkpoint import OutputStore
+    from dlbatch.driver.output_store import OutputStore
 
     store = OutputStore(str(tmp_path / "out"))
     store.commit_results([{"doc_id": "d", "source": "s", "task": "a", "output": "x"}], False)
@@ -176,10 +176,10 @@ def test_task_error_counts_as_the_tasks_outcome(tmp_path):
 
 # ---- prompts: per-task errors and chat control -------------------------------------------------------
 def _stage(tasks, **model):
-    from dlbatch.stages import PromptStage
+    from dlbatch.prompts.stage import PromptStage
 
     spec = _spec(tasks, model={"name": "smollm2-135m-instruct", "max_model_len": 2048, **model})
-    return PromptStage(spec.to_dict())
+    return PromptStage(spec)
 
 
 DOC = {"doc_id": "d1", "source": "s.pdf", "text": "A paper about paged attention.", "title": "T", "pages": 3}
@@ -227,15 +227,18 @@ def test_chat_control_system_kwargs_raw_and_template_file(tmp_path):
 @pytest.mark.ray
 def test_papers_structured_job_end_to_end(ray_local, sample_model, tmp_path):
     """The sample structured job on one paper through PD workers: every row valid or
-    marked, the record's Parquet loads in pandas with typed columns."""
+    marked, the record valid against its schema, and its typed struct column holds exactly
+    the parsed record with the schema's types (strings, lists of strings), in Arrow and in
+    pandas."""
     import jsonschema
     import pandas as pd
 
-    from dlbatch.runner import JobRunner
+    from dlbatch.driver.runner import JobRunner
 
     out = str(tmp_path / "out")
+    # the record keeps the job's max_tokens (256): a record cut by max_tokens is invalid, and it must be valid
     spec = load_job("jobs/papers_structured.yaml", [f"output.path={out}", "input.limit=1", "model.max_model_len=2048",
-                                                    "model.dtype=float32", "tasks.0.max_tokens=160"])
+                                                    "model.dtype=float32"])
     rep = JobRunner(spec, progress=False).run()
     assert rep["docs_ok"] == 1
     df = pd.read_parquet(out)
@@ -247,15 +250,34 @@ def test_papers_structured_job_end_to_end(ray_local, sample_model, tmp_path):
         else:
             assert r.finish_reason == "stop" and r.valid, (r.task, r.output, r.output_error)
     rec = df[df.task == "record"].iloc[0]
-    if rec.valid:
-        jsonschema.validate(json.loads(rec.output), schema)
-        assert rec.record_json["title"] == json.loads(rec.output)["title"]
-        assert isinstance(list(rec.record_json["methods"]), list)
+    assert rec.valid, f"the record is not valid ({rec.finish_reason}): {rec.output_error}\n{rec.output}"
+    value = json.loads(rec.output)
+    jsonschema.validate(value, schema)
     assert df[df.task == "kind"].iloc[0].output in ("theoretical", "empirical", "survey")
     import pyarrow.parquet as pq
 
+    # the struct column is typed from the schema: strings and lists of strings, not JSON text
     t = pq.read_table(out)
-    assert pa.types.is_struct(t.schema.field("record_json").type)
+    struct = t.schema.field("record_json").type
+    assert pa.types.is_struct(struct), struct
+    fields = {f.name: f.type for f in struct}
+    assert sorted(fields) == sorted(schema["properties"]), struct
+    for name in ("title", "field", "main_result"):
+        assert pa.types.is_string(fields[name]), (name, fields[name])
+    for name in ("methods", "datasets"):
+        assert pa.types.is_list(fields[name]) and pa.types.is_string(fields[name].value_type), (name, fields[name])
+    # its value on the record row is exactly the parsed output; null on the other tasks' rows
+    by_task = {r["task"]: r["record_json"] for r in t.to_pylist()}
+    typed = by_task.pop("record")
+    assert typed == value, (typed, value)
+    for name in ("methods", "datasets"):
+        assert isinstance(typed[name], list) and all(isinstance(x, str) for x in typed[name]), (name, typed[name])
+    assert all(isinstance(typed[name], str) for name in ("title", "field", "main_result")), typed
+    assert by_task == {"kind": None, "year": None}, by_task
+    # pandas reads the struct as a dict (lists as arrays) with the same values
+    assert rec.record_json["title"] == value["title"] and rec.record_json["main_result"] == value["main_result"]
+    assert list(rec.record_json["methods"]) == value["methods"]
+    assert list(rec.record_json["datasets"]) == value["datasets"]
 
 
 def test_bench_structured_smoke(tmp_path):
@@ -263,7 +285,7 @@ def test_bench_structured_smoke(tmp_path):
     from types import SimpleNamespace
 
     from dlbatch.bench import run_bench
-    from tests.tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     path = str(tmp_path / "tiny")
     make_tiny_model("llama", path)
@@ -283,8 +305,8 @@ def test_bench_structured_smoke(tmp_path):
 def test_tasks_fail_alone_in_a_job(ray_local, sample_model, tmp_path):
     """A task whose prompt cannot render and a task whose grammar cannot compile become
     error rows naming the task; the document's other task commits; a rerun is a no-op."""
-    from dlbatch.checkpoint import OutputStore
-    from dlbatch.runner import JobRunner
+    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.driver.runner import JobRunner
 
     out = str(tmp_path / "out")
     spec = load_job("jobs/papers_structured.yaml", [

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cluster import TINY, LocalCluster, _env, dlbatch
+from tests.helpers.cluster import TINY, LocalCluster, cluster_env, run_dlbatch
 
 LEFT_OUT = {"tenacity", "pymupdf"}
 
@@ -80,7 +80,7 @@ def bare_cluster(tmp_path_factory):
     ray_bin = venv / "bin" / "ray"
     ray_bin.write_text(f"#!{venv / 'bin' / 'python'}\nfrom ray.scripts.scripts import main\nmain()\n")
     ray_bin.chmod(0o755)
-    env = _env()
+    env = cluster_env()
     venv_bin = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([str(venv / "bin")] + [p for p in env["PATH"].split(os.pathsep) if p != venv_bin])
     env.pop("PYTHONPATH", None)
@@ -104,21 +104,21 @@ def test_submit_refuses_a_cluster_without_the_dependencies_then_install_deps_run
     out = tmp_path / "out"
     args = ["submit", "jobs/papers.yaml", "--address", bare_cluster.dashboard, "--set", f"output.path={out}",
             *TINY, "--wait", "--timeout", "900"]
-    r = dlbatch(*args, timeout=300)
+    r = run_dlbatch(*args, timeout=300)
     assert r.returncode == 1, r.stderr[-3000:]
     err = r.stderr
     assert "tenacity" in err and "pymupdf" in err and "--install-deps" in err and "install them on every node" in err
     assert "ray 2." in err and "torch 2." in err, err  # the versions found are reported
     assert not out.exists()  # refused before anything was uploaded or run
 
-    r = dlbatch(*args, "--install-deps", timeout=1100)
+    r = run_dlbatch(*args, "--install-deps", timeout=1100)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     report = json.loads((out / "_report.json").read_text())
     assert report["docs_ok"] == 1 and report["rows_written"] == 3
 
 
 def test_pinned_requirements_are_the_installed_versions():
-    from dlbatch.preflight import pinned_requirements
+    from dlbatch.cli.preflight import pinned_requirements
 
     pins = pinned_requirements()
     assert f"ray[data,default]=={md.version('ray')}" in pins
@@ -127,7 +127,7 @@ def test_pinned_requirements_are_the_installed_versions():
 
 
 def test_refusal_names_what_is_missing_and_both_fixes():
-    from dlbatch.preflight import missing, refusal
+    from dlbatch.cli.preflight import missing, refusal
 
     report = {"python": "3.11.7", "executable": "/usr/bin/python3",
               "dists": {"ray": "2.60.0", "torch": "2.13.0", "pyarrow": "20.0.0", "pymupdf": None, "tenacity": None},

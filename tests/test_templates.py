@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from dlbatch.templates import (
+from dlbatch.prompts.templates import (
     TEMPLATE_VARIABLES,
     TemplateError,
     check_shared_prefix,

@@ -13,7 +13,7 @@ import torch
 
 from dlbatch.transfer import payload as P
 from dlbatch.transfer import shm as S
-from dlbatch.transfer.base import get_transport
+from dlbatch.transfer.choose import get_transport
 from dlbatch.transfer.errors import (
     CorruptPayload,
     FingerprintMismatch,

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dlbatch.transfer import payload as P
-from dlbatch.transfer.base import get_transport
+from dlbatch.transfer.choose import get_transport
 from dlbatch.transfer.errors import CorruptPayload, SenderDied, TransferError, TransferTimeout, TransportUnavailable
-from tests import dlslime_children as children
+from tests.helpers import dlslime_children as children
 
 FP = "llama:abc123"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

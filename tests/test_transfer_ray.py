@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 
 from dlbatch.transfer import payload as P  # noqa: E402
 from dlbatch.transfer import rdt  # noqa: E402
-from dlbatch.transfer.base import get_transport  # noqa: E402
+from dlbatch.transfer.choose import get_transport  # noqa: E402
 from dlbatch.transfer.errors import CorruptPayload, FingerprintMismatch, SenderDied, TransferTimeout  # noqa: E402
 from dlbatch.transfer.object_store import ObjectStoreHandle  # noqa: E402
 

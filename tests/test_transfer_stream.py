@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dlbatch.transfer import payload as P
-from dlbatch.transfer.base import get_transport
+from dlbatch.transfer.choose import get_transport
 from dlbatch.transfer.sink import TransportSink
 
 FP = "llama:stream"

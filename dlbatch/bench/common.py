@@ -163,9 +163,9 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
 def run_job(job: str, overrides: list[str]) -> tuple[dict, dict]:
     """Run a job with `--set`-style overrides through `JobRunner` (fresh output);
     -> (report, {(doc_id, task): output text})."""
-    from dlbatch.checkpoint import OutputStore
+    from dlbatch.driver.output_store import OutputStore
     from dlbatch.jobspec import load_job
-    from dlbatch.runner import JobRunner
+    from dlbatch.driver.runner import JobRunner
 
     spec = load_job(job, overrides)
     report = JobRunner(spec, fresh=True, progress=False).run()
@@ -226,7 +226,7 @@ def start_bench_ray(chips: dict[str, int], attempts: int = 2) -> bool:
     start-up can time out. Returns True when we started it (shut it down after)."""
     import ray
 
-    from dlbatch.session import start_ray
+    from dlbatch.driver.session import start_ray
 
     if ray.is_initialized():
         return False

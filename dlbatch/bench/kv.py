@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from dlbatch.transfer.bench import bench_kv
+    from dlbatch.bench.kv_transfer import bench_kv
 
     transports = args.transports
     if transports is None:

@@ -34,7 +34,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -68,7 +67,7 @@ def paper_prompts(job: str, prefix_tokens: int, max_tokens: int, limit: int | No
     pipeline's `PromptStage` from the job's input (read with the project's connectors)."""
     from connectors import list_inputs, read_document_file
     from dlbatch.jobspec import load_job, parse_job
-    from dlbatch.stages import PromptStage
+    from dlbatch.prompts.stage import PromptStage
 
     spec = load_job(job)
     d = spec.to_dict()
@@ -78,7 +77,7 @@ def paper_prompts(job: str, prefix_tokens: int, max_tokens: int, limit: int | No
         t["max_tokens"] = max_tokens
         t["long_inputs"] = None
     spec = parse_job(d, source=f"{job} (paper workload)")
-    stage = PromptStage(spec.to_dict())
+    stage = PromptStage(spec)
     inp = spec.input
     files = list_inputs(inp.path, inp.format, dict(inp.storage_options))[:limit]
     out = []
@@ -340,7 +339,7 @@ def run_peers(pythons: list[str], model: str, prompts: list[list[int]], max_toke
 def run_ours(model: str, prompts: list[list[int]], max_tokens: int, max_model_len: int, warmup: list[int],
              threads: int | None) -> tuple[dict, dict]:
     """-> (our column, model counts for the limit)."""
-    from dlbatch.bench.engine import model_counts
+    from dlbatch.bench.roofline import model_counts
     from dlbatch.engine.llm import LLM
     from dlbatch.engine.sampling_params import SamplingParams
 
@@ -395,7 +394,7 @@ def lower_bound(cnt: dict, prompts: list[list[int]], max_tokens: int, lim: dict)
     the longest prefix shared with an earlier prompt computed once (FLOPs at the fp32
     matmul peak), then `max_tokens - 1` decode steps of all sequences, each step bounded by
     reading every weight and every sequence's KV once (copy bandwidth) or by its FLOPs."""
-    from dlbatch.bench.engine import decode_bytes
+    from dlbatch.bench.roofline import decode_bytes
 
     peak = lim["matmul"]["float32"]["flops"]
     bw = lim["copy"]["copy_GBps"] * 1e9

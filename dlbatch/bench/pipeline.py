@@ -4,7 +4,7 @@ without dlbatch, measured in the same run on the same documents.
 - ours: `JobRunner` on the job file (default jobs/papers.yaml) over a JSONL of sample
   papers, greedy, with the job's tasks, model, dtype and worker pools.
 - baseline: Ray Data `read_json` -> `map_batches` rendering the same task prompts with the
-  same chat template (dlbatch.stages.PromptStage, so both see the same token ids) ->
+  same chat template (dlbatch.prompts.stage.PromptStage, so both see the same token ids) ->
   `map_batches` with a callable class that loads `transformers` (the same GGUF through
   `from_pretrained(gguf_file=...)`, the same dtype, SDPA) and calls `generate` greedily on
   left-padded batches (rows with equal max_tokens together), stopping at EOS.
@@ -101,10 +101,10 @@ class HFGenerate:
 class RenderPrompts:
     """map_batches: documents -> request rows with the job's rendered, tokenized prompts."""
 
-    def __init__(self, spec_dict: dict):
-        from dlbatch.stages import PromptStage
+    def __init__(self, spec):
+        from dlbatch.prompts.stage import PromptStage
 
-        self.stage = PromptStage(spec_dict)
+        self.stage = PromptStage(spec)
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
@@ -147,7 +147,7 @@ def run_baseline(spec, jsonl: str, batch_size: int, dtype: str) -> tuple[dict, d
         started = True
     try:
         ds = ray.data.read_json(jsonl)
-        ds = ds.map_batches(RenderPrompts, fn_constructor_kwargs={"spec_dict": spec.to_dict()}, batch_size=8,
+        ds = ds.map_batches(RenderPrompts, fn_constructor_kwargs={"spec": spec}, batch_size=8,
                             concurrency=1, num_cpus=0.25)
         ds = ds.map_batches(HFGenerate, fn_constructor_kwargs={"model_ref": ref, "dtype": dtype,
                                                                "threads": threads},
@@ -174,9 +174,9 @@ def agreement_fp32(spec, docs: list[dict], n_docs: int, max_tokens: int, chars: 
 
     from dlbatch.engine.llm import LLM
     from dlbatch.engine.sampling_params import SamplingParams
-    from dlbatch.stages import PromptStage
+    from dlbatch.prompts.stage import PromptStage
 
-    stage = PromptStage(spec.to_dict())
+    stage = PromptStage(spec)
     reqs = []
     for d in docs[:n_docs]:
         doc = {"doc_id": d["id"], "source": "bench", "title": d["title"], "text": d["text"][:chars]}

@@ -66,8 +66,8 @@ def run(args) -> int:
     from dlbatch.jobspec import load_job
     from dlbatch.solver import (ModelSpec, catalog_profiles, format_plan, format_simulation, load_profile, simulate,
                                 solve)
-    from dlbatch.solver.job_workload import job_workload
-    from dlbatch.solver.profiler import format_profile, profile_device, save_profile_result
+    from dlbatch.driver.workload import job_workload
+    from dlbatch.bench.chip_profile import format_profile, profile_device, save_profile_result
 
     root = _root()
     job = args.job or os.path.join(root, "jobs", "papers.yaml")
@@ -240,13 +240,13 @@ def _scale(model, cat: dict, n_docs: int) -> dict:
 
 
 def _real_run(spec, plan: dict) -> dict:
-    from dlbatch.runner import JobRunner
+    from dlbatch.driver.runner import JobRunner
 
     class TimedRunner(JobRunner):
-        def _drive(self, store, ds, workers, t_start, sig):
+        def _drive(self, *args, **kwargs):
             self.t_drive0 = time.time()
             try:
-                return super()._drive(store, ds, workers, t_start, sig)
+                return super()._drive(*args, **kwargs)
             finally:
                 self.t_drive1 = time.time()
 

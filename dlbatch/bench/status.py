@@ -61,7 +61,7 @@ def _raw_index_read(store) -> int:
 
 
 def _build(work: str, n: int, part_docs: int, chars: int, tasks: list[str]) -> tuple[str, str, float]:
-    from dlbatch.checkpoint import OutputStore
+    from dlbatch.driver.output_store import OutputStore
 
     src = os.path.join(work, "docs.jsonl")
     with open(src, "w") as f:
@@ -81,7 +81,7 @@ def _build(work: str, n: int, part_docs: int, chars: int, tasks: list[str]) -> t
 
 def _resume_seconds(spec, docs: int) -> float:
     """JobRunner.run() up to the start of the worker pools."""
-    from dlbatch.runner import JobRunner
+    from dlbatch.driver.runner import JobRunner
 
     class _Probe(JobRunner):
         def _run_pools(self, store, files, skip_docs, t_start, sig):
@@ -97,8 +97,8 @@ def _resume_seconds(spec, docs: int) -> float:
 
 def run(args) -> int:
     from dlbatch.bench.common import finish_bench, machine_info
-    from dlbatch.checkpoint import OutputStore
-    from dlbatch.cli_jobs import job_status
+    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.driver.status import job_status
     from dlbatch.jobspec import load_job
 
     if args.quick:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -200,11 +200,18 @@ def parse_kv_memory(value: int | float | str | None) -> int | float | None:
     return parse_memory(value)
 
 
+DEFAULT_MAX_MODEL_LEN = 8192  # the longest context an engine takes when none is asked for
+
+
 @dataclass(frozen=True)
 class EngineConfig:
+    """Every knob of one engine, with its one default. `LLM(model, config, **fields)`, the
+    job's workers (`dlbatch.driver.pools.engine_config`) and the CLI build engines from it;
+    ``for_model`` resolves what depends on the model (``max_model_len``)."""
+
     dtype: str = "bfloat16"
     device: str = "cpu"
-    max_model_len: int = 8192
+    max_model_len: int | None = None  # None: the model's context, at most DEFAULT_MAX_MODEL_LEN
     block_size: int = 16
     # bytes (int) or a fraction of free device memory (float in (0, 1]); None: CPU: sized from
     # max_num_seqs * max_model_len (capped), CUDA: engine/device.py kv_cache_bytes
@@ -221,11 +228,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto: the compute dtype; float16/bfloat16 halve the KV bytes of an fp32 model
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_memory", parse_kv_memory(self.kv_cache_memory))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(_DTYPES)}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.max_model_len <= 0:
+        if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} < block_size {self.block_size}")
@@ -237,3 +245,13 @@ class EngineConfig:
             raise ValueError(f"schedule {self.schedule!r} is not one of shortest_first, fcfs")
         if self.admission not in ("reserve", "greedy"):
             raise ValueError(f"admission {self.admission!r} is not one of reserve, greedy")
+
+    def for_model(self, model: ModelConfig) -> "EngineConfig":
+        """This config with ``max_model_len`` resolved for ``model``: the model's context (at
+        most DEFAULT_MAX_MODEL_LEN) when None; an explicit value past the context is an error."""
+        mml = self.max_model_len or min(model.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if mml > model.context_limit:
+            raise ValueError(f"max_model_len {mml} exceeds the model's max_position_embeddings "
+                             f"{model.max_position_embeddings}"
+                             + (f" x dynamic rope factor {model.rope.factor:g}" if model.rope.kind == "dynamic" else ""))
+        return replace(self, max_model_len=mml)

@@ -1,7 +1,7 @@
 """What the device can compute fast: on CPUs without native bf16/fp16 matrix instructions
 (AVX512-BF16, AMX, AVX512-FP16) torch emulates half-precision matmuls, several times
-slower than fp32 — on this project's AVX2 CI machines we measured bf16 at 7 GFLOP/s vs
-fp32 at 50 GFLOP/s on one core. There the engine stores and computes in fp32 and says so."""
+slower than fp32 (figures per CPU kind: docs/benchmarks.md). There the engine stores and
+computes in fp32 and says so; ``allow_upcast=False`` keeps the requested dtype."""
 from __future__ import annotations
 
 import ctypes

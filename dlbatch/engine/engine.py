@@ -40,7 +40,7 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, op_overrides: dict | None = None):
         self.loaded = loaded
         self.mconf = loaded.config
-        self.config = config
+        self.config = config = config.for_model(loaded.config)
         self.tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
         device = torch.device(config.device)

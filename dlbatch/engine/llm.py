@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 
-from dlbatch.engine.config import EngineConfig, parse_kv_memory
+from dataclasses import fields, replace
+
+from dlbatch.engine.config import EngineConfig
 from dlbatch.engine.engine import LLMEngine
 from dlbatch.engine.loader import load_model
 from dlbatch.engine.outputs import RequestOutput
@@ -19,30 +21,23 @@ log = logging.getLogger("dlbatch")
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m-instruct", dtype: str = "bfloat16", device: str = "cpu",
-                 max_model_len: int | None = None, kv_cache_memory: int | float | str | None = None,
-                 chat: bool | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 64, enable_prefix_caching: bool = True, admission: str = "reserve",
-                 num_kv_blocks: int | None = None, storage_options: dict | None = None,
-                 op_overrides: dict | None = None, num_threads: int | None = None, allow_upcast: bool = True,
-                 enforce_eager: bool = False, device_share: float = 1.0, kv_cache_dtype: str = "auto"):
+    """One engine and its tokenizer. ``config`` is an `EngineConfig` (its defaults when None);
+    keyword arguments named like its fields replace them (``LLM(m, dtype="float32",
+    max_model_len=4096)``), any other name is an error that names it."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", config: EngineConfig | None = None, *,
+                 chat: bool | None = None, storage_options: dict | None = None, op_overrides: dict | None = None,
+                 num_threads: int | None = None, **engine_args):
         import torch
 
+        unknown = sorted(set(engine_args) - {f.name for f in fields(EngineConfig)})
+        if unknown:
+            raise TypeError(f"LLM: unknown engine argument(s) {', '.join(unknown)}; EngineConfig has "
+                            f"{', '.join(f.name for f in fields(EngineConfig))}")
         if num_threads:
             torch.set_num_threads(num_threads)
         loaded = load_model(model, storage_options)
-        mml = max_model_len or min(loaded.config.max_position_embeddings, 8192)
-        if mml > loaded.config.context_limit:
-            raise ValueError(f"max_model_len {mml} exceeds the model's max_position_embeddings "
-                             f"{loaded.config.max_position_embeddings}"
-                             + (f" x dynamic rope factor {loaded.config.rope.factor:g}"
-                                if loaded.config.rope.kind == "dynamic" else ""))
-        config = EngineConfig(dtype=dtype, device=device, max_model_len=mml, block_size=block_size,
-                              kv_cache_memory=parse_kv_memory(kv_cache_memory), num_kv_blocks=num_kv_blocks,
-                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                              enable_prefix_caching=enable_prefix_caching, admission=admission,
-                              allow_upcast=allow_upcast, enforce_eager=enforce_eager,
-                              device_share=device_share, kv_cache_dtype=kv_cache_dtype)
+        config = replace(config or EngineConfig(), **engine_args).for_model(loaded.config)
         self.model_name = model
         self.engine = LLMEngine(loaded, config, op_overrides)
         self.tokenizer = self.engine.tokenizer
@@ -141,19 +136,16 @@ class LLM:
 
     # ---- prefill / decode disaggregation ----------------------------------------------------
     def prefill(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None,
-                kv_format: str = "torch", kv_sink_factory=None) -> list:
+                kv_sink_factory=None) -> list:
         """Prefill only: run each prompt, sample its first token, and return a
-        `PrefillResult` per prompt carrying the KV (per layer, token-major). kv_format
-        "torch" keeps tensors; "payload" wraps them in a transfer payload (numpy,
-        self-describing, checksummed) ready for any transport.
+        `PrefillResult` per prompt carrying the KV (per layer, token-major torch tensors;
+        `dlbatch.transfer.payload.from_torch_layers` makes a transport payload of them).
 
         ``kv_sink_factory(index, num_prompt_tokens) -> KVSink`` streams each prompt's KV
         layer by layer while its prefill runs (see engine/pd.py); those results carry
         ``kv=None, kv_streamed=True``."""
         from dlbatch.engine.pd import PrefillResult
 
-        if kv_format not in ("torch", "payload"):
-            raise ValueError(f"kv_format must be 'torch' or 'payload', got {kv_format!r}")
         seqs = self._make_sequences(prompts, params)
         for k, seq in enumerate(seqs):
             seq.prefill_only = True
@@ -164,10 +156,6 @@ class LLM:
         results = []
         for s in seqs:
             kv = s.kv_export
-            if kv is not None and kv_format == "payload":
-                from dlbatch.transfer.payload import from_torch_layers
-
-                kv = from_torch_layers(kv, self.fingerprint)
             results.append(PrefillResult(
                 request_id=s.seq_id, prompt_ids=list(s.prompt_ids), first_token=s.output_ids[0], params=s.params,
                 fingerprint=self.fingerprint, kv=kv, dtype=self.engine.compute_dtype, finish_reason=s.pd_finish,
@@ -197,13 +185,13 @@ class LLM:
         return [self.engine.to_output(done[id(s)]) for s in seqs]
 
     def _kv_layers(self, r) -> list:
+        """A result's KV as torch layers: tensors as they are, or any KV object that can
+        check itself against this engine's fingerprint and give them (a transfer payload's
+        ``torch_layers``): the engine knows no transport format."""
         kv = r.kv
         if isinstance(kv, (list, tuple)):
             return list(kv)
-        from dlbatch.transfer.payload import layer_to_torch, validate
-
-        validate(kv, expected_fingerprint=self.fingerprint)
-        return [layer_to_torch(kv, i) for i in range(kv.meta.num_layers)]
+        return kv.torch_layers(expected_fingerprint=self.fingerprint)
 
     def stats(self) -> dict:
         st = dict(self.engine.stats)

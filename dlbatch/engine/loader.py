@@ -96,6 +96,13 @@ def model_dir(name: str, storage_options: dict | None = None) -> tuple[object, s
     return fsspec.filesystem("file"), cache_dir
 
 
+def load_model_config(name: str, storage_options: dict | None = None) -> ModelConfig:
+    """Only the model's shape (config.json): no weights are read."""
+    fs, root = model_dir(name, storage_options)
+    cfg = json.loads(fs.cat_file(root.rstrip("/") + "/config.json"))
+    return ModelConfig.from_hf(cfg, source=f"{name}/config.json")
+
+
 def load_tokenizer(name: str, storage_options: dict | None = None) -> Tokenizer:
     """Only the tokenizer (and chat template) of a model: no weights are read."""
     fs, root = model_dir(name, storage_options)
@@ -103,8 +110,7 @@ def load_tokenizer(name: str, storage_options: dict | None = None) -> Tokenizer:
     def join(f):
         return root.rstrip("/") + "/" + f
 
-    cfg = json.loads(fs.cat_file(join("config.json")))
-    config = ModelConfig.from_hf(cfg, source=f"{name}/config.json")
+    config = load_model_config(name, storage_options)
     tok_cfg = json.loads(fs.cat_file(join("tokenizer_config.json"))) if fs.exists(join("tokenizer_config.json")) else {}
     chat_file = fs.cat_file(join("chat_template.jinja")).decode() if fs.exists(join("chat_template.jinja")) else None
     return tokenizer_from_hf_files(fs.cat_file(join("tokenizer.json")).decode(), tok_cfg, chat_file,

@@ -1,7 +1,7 @@
 """DLSolver: chip profiles, a pool-sizing MILP and a cluster simulator (no engine, no Ray).
 
 Names are imported lazily (PEP 562) so that ``dlbatch --help``, which registers the
-``plan`` / ``simulate`` / ``profile`` verbs from :mod:`dlbatch.solver.cli`, does not pay
+``plan`` / ``simulate`` / ``profile`` verbs from :mod:`dlbatch.cli.solver`, does not pay
 for numpy and scipy.
 """
 from __future__ import annotations

@@ -5,11 +5,12 @@
  * dlbatch.transfer.payload.checksum(arr, "sum64").
  *
  * Why C: numpy's copy of a large buffer *out of* /dev/shm (4 KiB pages, no THP for
- * shmem on our hosts) ran at ~3.5 GB/s against ~10 GB/s between private huge-page
- * arrays, and a checksum is one more read pass. This loop reads each word once,
- * adds it to the checksum in registers, writes it with non-temporal stores (the
- * destination is not read back soon: a shm segment or the paged KV cache) and
- * prefetches a few pages ahead, which keeps ~8 GB/s reading 4 KiB-page memory.
+ * shmem on our hosts) runs at about a third of the speed between private huge-page arrays,
+ * and a checksum is one more read pass. This loop reads each word once, adds it to the
+ * checksum in registers, writes it with non-temporal stores (the destination is not
+ * read back soon: a shm segment or the paged KV cache) and prefetches a few pages
+ * ahead, so reading 4 KiB-page memory keeps close to the huge-page speed (figures:
+ * docs/transfer.md, docs/benchmarks.md).
  * Called through ctypes, which releases the GIL for the whole call.
  */
 #include <stddef.h>

@@ -1,4 +1,4 @@
-"""The transport interface and ``get_transport``.
+"""The transport interface: senders, receivers and the deadline they share (`choose.py` picks a transport).
 
 A transfer has two ends:
 
@@ -23,10 +23,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from dlbatch.transfer.errors import TransferTimeout, TransportUnavailable
+from dlbatch.transfer.errors import TransferTimeout
 from dlbatch.transfer.payload import KVMeta, KVPayload, checksum, validate
 
-TRANSPORT_NAMES = ("auto", "object_store", "shm", "rdt", "dlslime")
 
 
 class Deadline:
@@ -164,77 +163,3 @@ class Transport(ABC):
         rx = self.open_receiver(handle, verify=verify)
         payload = rx.receive(timeout)
         return validate(payload, expected_fingerprint, verify=False)
-
-
-def auto_from_workers(infos: list[dict]) -> tuple[str, str]:
-    """kv_transport=auto for PD pools, decided from what the running workers report
-    (``dlbatch.workers.device_info``: device, CUDA availability, why RDT cannot run there),
-    not from the driver, which may have no GPU: ``rdt`` when every prefill and decode
-    worker holds device tensors of one device kind and can run RDT; else
-    ``object_store``. Returns (name, reason)."""
-    if not infos:
-        return "object_store", "no workers reported"
-    kinds = {str(i.get("device", "cpu")).split(":")[0] for i in infos}
-    blocked = [i for i in infos if i.get("rdt")]
-    if "cpu" in kinds:
-        return "object_store", "a worker holds its KV on the CPU"
-    if len(kinds) > 1:
-        return "object_store", f"workers on different device kinds {sorted(kinds)}"
-    if blocked:
-        return "object_store", f"RDT unavailable on a {blocked[0].get('device')} worker: {blocked[0]['rdt']}"
-    return "rdt", f"every worker holds {kinds.pop()} tensors and can run RDT"
-
-
-def get_transport(
-    name: str = "auto",
-    *,
-    same_node: bool = False,
-    device: str = "cpu",
-    peer_device: str | None = None,
-    ray_handles: bool = True,
-) -> Transport:
-    """Pick a transport by name.
-
-    ``auto``: ``rdt`` when both sides hold device tensors (``device`` and
-    ``peer_device`` not cpu) and RDT is available; ``shm`` when ``same_node`` and no
-    Ray handle is needed (``ray_handles=False``); else ``object_store``.
-    Raises ValueError for an unknown name, TransportUnavailable when the named
-    transport cannot run here (naming what is missing).
-    """
-    if name not in TRANSPORT_NAMES:
-        raise ValueError(f"unknown KV transport {name!r}; expected one of {TRANSPORT_NAMES}")
-    if not isinstance(device, str) or not device:
-        raise ValueError(f"device must be a device string such as 'cpu' or 'cuda:0', got {device!r}")
-    if name == "auto":
-        from dlbatch.transfer import rdt
-
-        peer = peer_device if peer_device is not None else device
-        if not device.startswith("cpu") and not peer.startswith("cpu") and rdt.is_available(device):
-            name = "rdt"
-        elif same_node and not ray_handles:
-            name = "shm"
-        else:
-            name = "object_store"
-    if name == "object_store":
-        from dlbatch.transfer.object_store import ObjectStoreTransport
-
-        return ObjectStoreTransport()
-    if name == "shm":
-        if not same_node:
-            raise TransportUnavailable("the 'shm' KV transport needs both workers on the same node (same_node=False)")
-        from dlbatch.transfer.shm import ShmTransport
-
-        return ShmTransport()
-    if name == "rdt":
-        from dlbatch.transfer import rdt
-
-        reason = rdt.unavailable_reason(device)
-        if reason:
-            raise TransportUnavailable(f"the 'rdt' KV transport is unavailable for device {device!r}: {reason}")
-        return rdt.RDTTransport(device)
-    from dlbatch.transfer import dlslime_transport
-
-    reason = dlslime_transport.unavailable_reason()
-    if reason:
-        raise TransportUnavailable(f"the 'dlslime' KV transport is unavailable: {reason}")
-    return dlslime_transport.DLSlimeTransport()

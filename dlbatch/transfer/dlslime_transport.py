@@ -1,71 +1,26 @@
-"""Optional KV transport over DLSlime's TCP endpoint (``pip install dlslime``, tested with 0.1.23).
+"""Optional KV transport over DLSlime's TCP endpoint (``pip install dlslime``, tested with
+0.1.23; the parts of DLSlime's API this relies on: docs/transfer.md).
 
-DLSlime 0.1.23's TCP API, as used here (``dlslime._slime_c``, sources in the wheel's
-``csrc/engine/tcp/``):
+Reads are one-sided: the receiver pulls each layer out of the sender's memory. Sender: one
+endpoint per process and IP (``DLBATCH_DLSLIME_IP``, default 127.0.0.1); each transfer
+takes a pooled buffer laid out like ``payload.to_buffer``. ``send_layer`` copies a layer in
+with its checksum fused, ready byte last; ``layer_buffer(i)`` lends layer i's place, so the
+engine's export gather is the sender's only copy. The handle names the endpoint, the buffer
+and a 32-byte control slot (``generation`` and ``aborted`` written by the sender, ``ack`` by
+the receiver). Receiver: its own endpoint on 127.0.0.1, shut down once the last layer is
+verified; it polls the slot and the layer table, reads layer i as soon as its ready byte is
+set (into ``out(i)`` when that fits, else a pooled staging buffer), issues the read of
+layer i+1 before verifying layer i, and yields a layer only if the slot's generation is
+unchanged after its read.
 
-* ``TcpEndpoint(ip, port=0)`` binds a listening socket (port 0: the OS picks one) and
-  starts one asio I/O thread; ``endpoint_info()`` -> ``{"host", "port", "mr_info"}``;
-  ``shutdown()`` stops the I/O thread (joins it) and closes every socket.
-* ``register_memory_region(name, ptr, offset, length)`` -> local handle (names unique
-  per endpoint, no unregister in Python); ``register_remote_memory_region(name,
-  {"addr", "length"})`` -> remote handle; ``connect({"host", "port"})`` sets the one
-  peer every operation of the endpoint goes to (a failed connect only logs: check
-  ``is_connected()``).
-* ``read([(local_h, remote_h, remote_off, local_off, length), ...])`` and ``write(...)``
-  are one-sided: each tuple becomes a request on a pooled TCP connection that the
-  *peer's* I/O thread serves straight from / into the raw address in the request (the
-  TCP server does not check addresses against its registered regions: registration is
-  bookkeeping on the side that issues the operation). They return a
-  ``SlimeTcpReadWriteFuture``: ``wait()`` spins (GIL released, no timeout),
-  ``wait_for(seconds)`` spins holding the GIL and returns the status or None; status
-  0 = done, -1 = failed (connection refused / reset / EOF: the peer is gone). The
-  ``timeout_ms`` argument of read/write is ignored in 0.1.23.
-
-How this transport uses it
---------------------------
-Sender: one ``TcpEndpoint`` per process and IP (lazily created, kept for the process's
-life, ``shutdown()`` ends it). Each transfer gets a buffer from a per-process pool
-(size classes as shm's) laid out exactly like ``payload.to_buffer``; ``send_layer``
-copies the layer in once, checksum fused (``copy_checksum``), then writes the table
-entry and its ready byte last. ``layer_buffer(i)`` lends the buffer's place for layer i
-(``TransportSink`` gathers the engine's KV straight into it: no copy at all on the
-sender). The handle (:class:`DLSlimeHandle`) names the endpoint, the buffer's address
-and a 32-byte *control slot* in a small per-process control area that is allocated once
-and never freed: ``generation`` (sender), ``aborted`` (sender), ``ack`` (receiver).
-
-Receiver: one ``TcpEndpoint`` per receiver (connected to the sender's, bound to
-127.0.0.1: nobody needs to reach it), shut down as soon as the last layer is verified (or
-by ``release``), so a decode worker holding many imported views holds no endpoints. It polls the sender's slot and layer table with one two-part ``read``
-(backoff 50 us -> 2 ms) and reads layer i as soon as its ready byte is set:
-straight into the caller's destination when ``out(i)`` gives a C-contiguous writable
-array of the layer's size (registered in the receiver's endpoint; then one checksum
-pass over it), else into a pooled staging buffer (then ``_take_layer``: one fused
-copy+verify into ``out``, or a view). The read of layer i+1 is issued before layer i
-is verified/copied, so the two overlap. After each layer's read the slot is read again
-(with the table): layer i is yielded only if its generation is unchanged, and its
-checksum is taken from that later read.
-
-Lifetime: the receiver writes ``ack`` into its slot with a one-sided ``write``:
-``generation`` once the last layer is verified (before it is yielded), ``~generation`` on
-``release`` / an error when it gave up; it then reads the slot back until the ack shows
-(bounded, 1 s), so the sender sees it when the receiver returns. The sender reuses a buffer only once it sees an ack, after ``abort``, or after a lease
-(``DLBATCH_DLSLIME_LEASE_S``, default 600 s) for a receiver that never answered; before
-a buffer is reused or freed its slot's generation is cleared, so a late receiver sees
-"reused" instead of another payload (and its late ack cannot match). Acks are noticed
-at the next ``open_sender``, ``pool_stats`` or ``sender.wait_received(timeout)``. The
-pool keeps at most ``DLBATCH_DLSLIME_POOL_BUFFERS`` (8) idle buffers and
-``DLBATCH_DLSLIME_POOL_BYTES`` (3 GiB) idle bytes, oldest freed first; a process has at
-most ``DLBATCH_DLSLIME_MAX_TRANSFERS`` (1024) unacknowledged transfers. The sender
-process must outlive the receive (its memory is what is read): a short-lived producer
-calls ``wait_received`` before exiting. A dead sender is noticed at the next read (the
-connection is refused or reset): ``SenderDied``, not the timeout.
-
-Sender-side buffers are not registered with ``register_memory_region``: TCP does not
-need it (see above) and 0.1.23 has no unregister, so registering every pooled buffer
-would grow the endpoint's table for the process's life. Anyone who can reach the
-sender's port can read and write its memory (that is the TCP transport's design):
-bind it to 127.0.0.1 (the default) or a private network only. RDMA / NVLink endpoints
-are not wired here.
+Invariants: a buffer is reused only after the receiver's ack, ``abort()`` or the lease
+(``DLBATCH_DLSLIME_LEASE_S``); its generation is cleared first, so a late receiver gets
+"reused", never another payload. Every wait runs under the receive timeout; a dead sender is
+``SenderDied`` at the next read. The sender must outlive the receive (``wait_received``).
+Limits: anyone who can reach the sender's port can read and write its memory (bind
+127.0.0.1 or a private network); sender buffers are not registered (0.1.23 cannot
+unregister); bounded pools and unacknowledged transfers (``DLBATCH_DLSLIME_*``); RDMA and
+NVLink endpoints are not wired.
 """
 
 from __future__ import annotations

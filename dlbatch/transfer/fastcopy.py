@@ -1,7 +1,7 @@
 """Optional native fused copy + ``sum64`` for KV transfers (``_fastcopy.c`` via ctypes).
 
 On first use the C file next to this module is compiled and loaded by
-:mod:`dlbatch.native` (system C compiler, cached). ctypes releases the GIL for the call,
+:mod:`dlbatch.cbuild` (system C compiler, cached). ctypes releases the GIL for the call,
 so a copy on a background thread runs beside Python compute. Without a compiler (or with
 ``DLBATCH_FASTCOPY=0`` / ``DLBATCH_NATIVE=0``) nothing is
 compiled and :func:`available` is False; callers fall back to numpy (slower: see
@@ -29,7 +29,7 @@ _REASON = ""
 
 
 def _build() -> ctypes.CDLL:
-    from dlbatch.native import load
+    from dlbatch.cbuild import load
 
     lib = load(_SRC, ("-O2",), env_switch="DLBATCH_FASTCOPY")
     lib.dlkv_copy_sum64.restype = ctypes.c_uint64

@@ -31,7 +31,7 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -238,6 +238,12 @@ class KVPayload:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.layers)
+
+    def torch_layers(self, expected_fingerprint: str | None = None) -> list:
+        """Checked (``validate``), then every layer as a torch tensor view: what an engine's
+        decode imports (``LLM.decode`` takes any KV object with this method)."""
+        validate(self, expected_fingerprint=expected_fingerprint)
+        return [layer_to_torch(self, i) for i in range(self.meta.num_layers)]
 
 
 def make_meta(
@@ -487,7 +493,3 @@ def from_buffer(buf, *, verify: bool = True, expected_fingerprint: str | None = 
         meta = replace(meta, checksums=tuple(sums))
     payload = KVPayload(meta, layers)
     return validate(payload, verify=verify)
-
-
-def iter_layers(payload: KVPayload) -> Iterable[tuple[int, np.ndarray]]:
-    return enumerate(payload.layers)

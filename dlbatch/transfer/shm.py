@@ -66,7 +66,6 @@ from dlbatch.transfer.errors import (
 )
 from dlbatch.transfer.payload import (
     _ENTRY,
-    ALIGN,
     ENTRY_SIZE,
     checksum,
     copy_checksum,

@@ -69,7 +69,7 @@ def test_pool_spec_checks_device_against_num_gpus():
 
 
 def test_auto_transport_is_decided_from_the_workers():
-    from dlbatch.transfer.base import auto_from_workers
+    from dlbatch.transfer.choose import auto_from_workers
 
     gpu = {"device": "cuda:0", "cuda": True, "rdt": None}
     assert auto_from_workers([gpu, gpu])[0] == "rdt"
@@ -80,7 +80,7 @@ def test_auto_transport_is_decided_from_the_workers():
 
 
 def test_probe_reports_a_cpu_worker():
-    from dlbatch.workers import probe_device
+    from dlbatch.driver.workers import probe_device
 
     info = probe_device("cpu")
     assert info["device"] == "cpu" and info["rdt"]

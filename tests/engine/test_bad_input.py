@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from tests.tiny_models import make_tiny_model
+from tests.helpers.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from tests.tiny_models import make_tiny_model
+from tests.helpers.tiny_models import make_tiny_model
 
 SCHEMA = {
     "type": "object",

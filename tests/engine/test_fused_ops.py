@@ -176,7 +176,7 @@ def test_bf16_rows_round_where_the_reference_rounds():
 
 
 def test_posix_build_gives_the_openmp_bits(monkeypatch):
-    from dlbatch.native import load
+    from dlbatch.cbuild import load
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     g = _g(4)
@@ -196,7 +196,7 @@ def test_posix_build_gives_the_openmp_bits(monkeypatch):
 
 
 def test_cpu_ops_choose_the_fused_kernels():
-    from dlbatch.engine.ops.registry import get_ops
+    from dlbatch.engine.ops.resolve import get_ops
 
     chosen = get_ops("cpu").chosen
     assert {chosen[n] for n in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_store_kv")} == {"cpu"}

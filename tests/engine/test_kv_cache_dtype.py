@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import make_tiny_model
+from tests.helpers.tiny_models import make_tiny_model
 
 TOL = {"float16": 1e-2, "bfloat16": 4e-2}  # max |logit difference| / max |logit|
 

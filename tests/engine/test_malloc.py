@@ -53,7 +53,7 @@ def test_prefault_backs_every_page_of_the_kv_cache_and_keeps_its_bytes(tmp_path)
 
     from dlbatch.engine.llm import LLM
     from dlbatch.engine.sampling_params import SamplingParams
-    from tests.tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     path = str(tmp_path / "m")
     make_tiny_model("llama", path)

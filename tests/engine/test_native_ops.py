@@ -98,7 +98,7 @@ def test_native_groups_shared_prefixes_bitwise_as_alone(threads, monkeypatch):
 def test_posix_thread_build_gives_the_openmp_build_bits(monkeypatch):
     """Both builds of the kernels (OpenMP: torch's workers take the parallel region; POSIX
     threads: the fallback when the compiler has no OpenMP) split the work the same way."""
-    from dlbatch.native import load
+    from dlbatch.cbuild import load
 
     q, kc, vc, meta = _case(9, 3, 64, [1, 17, 300, 1024, 70], 16)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -160,7 +160,7 @@ def test_half_precision_queries_are_computed_in_float32(dtype):
 def test_engine_uses_native_kernel_and_stays_exact(tmp_path):
     from dlbatch.engine.llm import LLM
     from dlbatch.engine.sampling_params import SamplingParams
-    from tests.tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     path = str(tmp_path / "m")
     make_tiny_model("llama", path)

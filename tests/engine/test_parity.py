@@ -7,9 +7,8 @@ import random
 import pytest
 import torch
 
-from tests.tiny_models import ARCHS, VOCAB, make_tiny_model
-
-ATOL = 2e-4
+from tests.helpers.parity import ATOL, full_logits
+from tests.helpers.tiny_models import ARCHS, VOCAB, make_tiny_model
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
@@ -32,32 +31,13 @@ def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def _full_logits(llm, ids: list[int]) -> torch.Tensor:
-    """Our model's logits at every position of one prompt (one prefill step)."""
-    from dlbatch.engine.sampling_params import SamplingParams
-    from dlbatch.engine.scheduler import ScheduledSeq, SchedulerOutput
-
-    eng = llm.engine
-    seq = eng.make_sequence("logits", ids, SamplingParams(max_tokens=1))
-    eng.block_manager.allocate(seq, reserve=True)
-    try:
-        seq.num_computed = 0
-        eng.block_manager.ensure_slots(seq, len(ids))
-        out = SchedulerOutput([ScheduledSeq(seq, len(ids))])
-        t_ids, pos, meta, _, _ = eng.runner.prepare(out)
-        rows = torch.arange(len(ids))
-        return eng.model.forward(t_ids, pos, eng.runner.kv_cache, meta, rows)
-    finally:
-        eng.block_manager.free_seq(seq)
-
-
 def test_logits_match_transformers(tiny):
     from dlbatch import LLM
 
     arch, path, hf = tiny
     llm = LLM(path, dtype="float32", max_model_len=256, chat=False, enable_prefix_caching=False)
     for ids in _prompts(3, 5, 60, seed=1):
-        ours = _full_logits(llm, ids)
+        ours = full_logits(llm, ids)
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
         assert ours.shape == ref.shape

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from tests.tiny_models import VOCAB, make_tiny_model
+from tests.helpers.tiny_models import VOCAB, make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from tests.engine.test_parity import ATOL, _full_logits
-from tests.tiny_models import VOCAB, make_tiny_model
+from tests.helpers.parity import ATOL, full_logits
+from tests.helpers.tiny_models import VOCAB, make_tiny_model
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 CASES = {
@@ -44,7 +44,7 @@ def test_long_rope_logits_match_transformers(case, tmp_path):
     # dynamic: transformers' base is that of this n-token forward (n = max_model_len); the
     # engine takes at most n - 1 prompt tokens, whose logits are causal, so compare those
     m = n - 1 if n == max_len else n
-    ours = _full_logits(llm, ids[:m])
+    ours = full_logits(llm, ids[:m])
     torch.testing.assert_close(ours, ref[:m], atol=ATOL, rtol=1e-4, msg=f"{case}: logits differ")
     # the scaling matters at these positions: plain RoPE gives other logits there
     plain = make_tiny_model(arch, str(tmp_path / "plain"), overrides={**overrides, "rope_scaling": None,
@@ -66,12 +66,12 @@ def test_dynamic_ntk_deviation_is_only_between_lengths(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     long_engine = LLM(str(tmp_path), dtype="float32", max_model_len=160, chat=False, enable_prefix_caching=False)
-    assert (_full_logits(long_engine, ids) - ref).abs().max() > 10 * ATOL
+    assert (full_logits(long_engine, ids) - ref).abs().max() > 10 * ATOL
     short_ids = ids[:60]
     with torch.no_grad():
         short_ref = hf(torch.tensor([short_ids])).logits[0].float()
     short_engine = LLM(str(tmp_path), dtype="float32", max_model_len=64, chat=False, enable_prefix_caching=False)
-    torch.testing.assert_close(_full_logits(short_engine, short_ids), short_ref, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(full_logits(short_engine, short_ids), short_ref, atol=ATOL, rtol=1e-4)
 
 
 def test_context_limit_and_bad_factor():

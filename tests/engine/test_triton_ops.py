@@ -242,12 +242,12 @@ def test_whole_model_greedy_with_triton_ops(arch, tmp_path, monkeypatch):
     for the CPU ones: greedy tokens equal transformers' over prefix hits, chunked prefill
     and batched decode."""
     from dlbatch import LLM, SamplingParams
-    from dlbatch.engine.ops import registry
-    from tests.tiny_models import VOCAB, make_tiny_model
+    from dlbatch.engine.ops import registry, resolve
+    from tests.helpers.tiny_models import VOCAB, make_tiny_model
 
     hf = make_tiny_model(arch, str(tmp_path))
     hf.generation_config.eos_token_id = None
-    registry._load_builtin()
+    resolve._load_builtin()
     for name, fn in cuda.IMPLS.items():
         monkeypatch.setitem(registry._IMPLS, (name, "cpu"), fn)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, chat=False, max_num_batched_tokens=32)
@@ -269,8 +269,8 @@ def test_graph_runner_buffers_and_padding_with_emulated_replay(tmp_path, monkeyp
     batch shrinks through several buckets."""
     from dlbatch import LLM, SamplingParams
     from dlbatch.engine.cuda_graph import GraphedModel
-    from dlbatch.engine.ops import registry
-    from tests.tiny_models import VOCAB, make_tiny_model
+    from dlbatch.engine.ops import registry, resolve
+    from tests.helpers.tiny_models import VOCAB, make_tiny_model
 
     class Replayed(GraphedModel):
         def _capture(self, b, kv_cache):
@@ -291,7 +291,7 @@ def test_graph_runner_buffers_and_padding_with_emulated_replay(tmp_path, monkeyp
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 3, 4, 6)]  # batch 4, 3, 2, 1
     plain = LLM(str(tmp_path), dtype="float32", max_model_len=64, chat=False, max_num_seqs=8)  # CPU ops
     want = [o.token_ids for o in plain.generate(prompts, params)]
-    registry._load_builtin()
+    resolve._load_builtin()
     for name, fn in cuda.IMPLS.items():
         monkeypatch.setitem(registry._IMPLS, (name, "cpu"), fn)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, chat=False, max_num_seqs=8)
@@ -302,16 +302,14 @@ def test_graph_runner_buffers_and_padding_with_emulated_replay(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("windowed", [False, True])
-def test_the_gpu_checks_op_parity_runs_here_in_float32(windowed, monkeypatch):
-    """tests/gpu/test_gpu.py runs only on a GPU, which CI does not have: its op-parity tests
-    run here on CPU tensors, in float32 (the interpreter's bf16 is wrong) and with small
-    shapes, so that the metadata they hand the ops stays what the ops read (they once
-    built an AttnMeta with a field it no longer had)."""
-    from tests.gpu import test_gpu as G
+def test_the_gpu_checks_op_parity_runs_here_in_float32(windowed):
+    """tests/gpu/test_gpu.py runs only on a GPU, which CI does not have: its op-parity checks
+    (tests/helpers/gpu_checks.py) run here on CPU tensors, in float32 (the interpreter's
+    bf16 is wrong) and with small shapes, so that the metadata they hand the ops stays what
+    the ops read (they once built an AttnMeta with a field it no longer had)."""
+    from tests.helpers.gpu_checks import decode_and_prefill_parity, norm_and_rotary_parity
 
-    monkeypatch.setattr(G, "DEV", "cpu")
-    monkeypatch.setattr(G, "PARITY", dict(hq=4, hk=2, d=32, lens=[1, 17, 70], specs=[(0, 40), (50, 7), (16, 20)],
-                                          window=24))
-    G.test_decode_and_prefill_parity((cuda, reference), torch.float32, 2e-4, windowed)
+    small = dict(hq=4, hk=2, d=32, lens=[1, 17, 70], specs=[(0, 40), (50, 7), (16, 20)], window=24)
+    decode_and_prefill_parity((cuda, reference), torch.float32, 2e-4, windowed, dev="cpu", shapes=small)
     if not windowed:
-        G.test_norm_and_rotary_parity((cuda, reference), torch.float32, 2e-4)
+        norm_and_rotary_parity((cuda, reference), torch.float32, 2e-4, dev="cpu")

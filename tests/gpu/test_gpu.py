@@ -17,6 +17,8 @@ import random
 import pytest
 import torch
 
+from tests.helpers.gpu_checks import decode_and_prefill_parity, norm_and_rotary_parity
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -35,102 +37,20 @@ def kernels():
     return cuda, reference
 
 
-def _tables(lens, bs, seed):
-    need = [-(-n // bs) for n in lens]
-    perm = torch.randperm(sum(need) + 3, generator=torch.Generator().manual_seed(seed)).tolist()
-    out, i = [], 0
-    for k in need:
-        out.append(perm[i:i + k])
-        i += k
-    return out, sum(need) + 3
-
-
-def _slots(table, bs, lo, hi):
-    return [table[p // bs] * bs + p % bs for p in range(lo, hi)]
-
-
-# shapes of the op-parity tests (tests/engine/test_triton_ops.py runs them with small ones,
-# on CPU tensors in Triton's interpreter, so that a change of the metadata shows in CI)
-PARITY = dict(hq=32, hk=8, d=64, lens=[1, 17, 300, 1000, 2049], specs=[(0, 700), (1000, 64), (16, 300)],
-              window=100)
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("windowed", [False, True])
 def test_decode_and_prefill_parity(kernels, dtype, tol, windowed):
-    from dlbatch.engine.model_runner import AttnMeta
-
-    cuda, ref = kernels
-    bs, hq, hk, d = 16, PARITY["hq"], PARITY["hk"], PARITY["d"]
-    window = PARITY["window"] if windowed else None
-    lens = PARITY["lens"]
-    tables, nb = _tables(lens, bs, 0)
-    kc = torch.randn(nb, bs, hk, d, device=DEV, dtype=dtype)
-    vc = torch.randn_like(kc)
-    q = torch.randn(len(lens), hq, d, device=DEV, dtype=dtype)
-    lmax = max(lens)
-    dl = torch.tensor(lens, device=DEV)
-    kpos = torch.arange(lmax, device=DEV)[None]
-    mask = kpos < dl[:, None]
-    if window:
-        mask &= kpos > dl[:, None] - 1 - window
-    width = max(len(t) for t in tables)
-    meta = AttnMeta(slots=torch.zeros(0, dtype=torch.long, device=DEV), num_prefill_tokens=0, decode_lens=dl,
-                    decode_gather=torch.tensor([_slots(t, bs, 0, n) + [0] * (lmax - n) for t, n in zip(tables, lens)],
-                                               device=DEV),
-                    decode_mask=mask[:, None, None], sliding_window=window,
-                    # as dlbatch/engine/step_meta.py keeps them: int64, rows padded with valid ids
-                    decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEV))
-    torch.testing.assert_close(cuda.paged_decode_attention(q, kc, vc, meta).float(),
-                               ref.paged_decode_attention(q, kc, vc, meta).float(), atol=tol, rtol=tol)
-    # prefill: fresh, prefix hit, chunk
-    specs = PARITY["specs"]
-    tables, nb = _tables([c + n for c, n in specs], bs, 1)
-    kc = torch.randn(nb, bs, hk, d, device=DEV, dtype=dtype)
-    vc = torch.randn_like(kc)
-    t = sum(n for _, n in specs)
-    q = torch.randn(t, hq, d, device=DEV, dtype=dtype)
-    k = torch.empty(t, hk, d, device=DEV, dtype=dtype)
-    v = torch.empty_like(k)
-    prefill, slots, qs = [], [], 0
-    for (c, n), tb in zip(specs, tables):
-        new = torch.tensor(_slots(tb, bs, c, c + n), device=DEV)
-        k[qs:qs + n], v[qs:qs + n] = kc.view(-1, hk, d)[new], vc.view(-1, hk, d)[new]
-        prefill.append((qs, n, c, torch.tensor(_slots(tb, bs, 0, c + n), device=DEV) if c else None))
-        slots += new.tolist()
-        qs += n
-    pm = AttnMeta(slots=torch.tensor(slots, device=DEV), num_prefill_tokens=t, prefill=prefill, sliding_window=window)
-    torch.testing.assert_close(cuda.prefill_attention(q, k, v, kc, vc, pm).float(),
-                               ref.prefill_attention(q, k, v, kc, vc, pm).float(), atol=tol, rtol=tol)
+    decode_and_prefill_parity(kernels, dtype, tol, windowed, dev=DEV)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 2e-2)])
 def test_norm_and_rotary_parity(kernels, dtype, tol):
-    cuda, ref = kernels
-    g = torch.Generator(device=DEV).manual_seed(0)
-    x = torch.randn(37, 2048, device=DEV, dtype=dtype, generator=g)
-    r = torch.randn_like(x)
-    w = torch.randn(2048, device=DEV, dtype=dtype, generator=g)
-    for got, want in zip(cuda.add_rms_norm(x, r, w, 1e-5), ref.add_rms_norm(x, r, w, 1e-5)):
-        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-    t, hq, hk, d = 37, 32, 8, 64
-    qkv = torch.randn(t, (hq + 2 * hk) * d, device=DEV, dtype=dtype, generator=g)
-    q, k, v = (qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d),
-               qkv[:, (hq + hk) * d:].view(t, hk, d))
-    ang = torch.randn(t, d // 2, device=DEV, generator=g)
-    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
-    slots = torch.randperm(64 * 16, device=DEV)[:t]
-    kc_r, vc_r = torch.zeros(64, 16, hk, d, device=DEV, dtype=dtype), torch.zeros(64, 16, hk, d, device=DEV, dtype=dtype)
-    wq, wk = ref.rotary_store_kv(q.clone(), k.clone(), v, cos, sin, kc_r, vc_r, slots)
-    kc, vc = torch.zeros_like(kc_r), torch.zeros_like(vc_r)
-    gq, gk = cuda.rotary_store_kv(q, k, v, cos, sin, kc, vc, slots)
-    for got, want in ((gq, wq), (gk, wk), (kc, kc_r), (vc, vc_r)):
-        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    norm_and_rotary_parity(kernels, dtype, tol, dev=DEV)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tests.tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     path = str(tmp_path_factory.mktemp("mistral"))
     hf = make_tiny_model("mistral", path)  # sliding window 24, GQA
@@ -139,7 +59,7 @@ def tiny(tmp_path_factory):
 
 
 def _prompts(n, lo, hi, seed=0):
-    from tests.tiny_models import VOCAB
+    from tests.helpers.tiny_models import VOCAB
 
     rng = random.Random(seed)
     shared = [rng.randrange(3, VOCAB) for _ in range(40)]
@@ -214,7 +134,7 @@ def test_pd_on_one_device_through_shm(kernels, tiny):
     from dlbatch import SamplingParams
     from dlbatch.engine.pd import PrefillResult
     from dlbatch.transfer import payload as P
-    from dlbatch.transfer.base import get_transport
+    from dlbatch.transfer.choose import get_transport
     from dlbatch.transfer.sink import TransportSink
 
     path, _ = tiny

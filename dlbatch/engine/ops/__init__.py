@@ -4,6 +4,7 @@ implementation in plain torch (any device) and a device-specific one may replace
     ops = get_ops(torch.device("cpu"))   # resolved once per engine, not per call
     y = ops.rms_norm(x, w, eps)
 """
-from dlbatch.engine.ops.registry import OP_NAMES, Ops, get_ops, register_op
+from dlbatch.engine.ops.registry import OP_NAMES, register_op
+from dlbatch.engine.ops.resolve import Ops, get_ops
 
 __all__ = ["OP_NAMES", "Ops", "get_ops", "register_op"]

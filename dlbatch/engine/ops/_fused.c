@@ -14,8 +14,8 @@
  * last place (squares summed in another order). In float32 the arithmetic per element is the
  * reference's (the compiler may fuse a multiply and an add; the squares are summed in another
  * order). rms_norm and silu_and_mul run on vectors of W floats, rotary's half precision
- * element by element (its rows are short). A bf16 silu_and_mul here ran slower than torch's
- * (docs/benchmarks.md), so bf16 models keep the reference for it.
+ * element by element (its rows are short). bf16 models keep the reference silu_and_mul:
+ * torch's is faster for bf16 rows than a C version (docs/benchmarks.md).
  * Every row is computed alone: a row's result never depends on the other rows of the
  * call (a resumed sampling job batches differently and must draw the same tokens).
  * Rows are split over `nthreads` OpenMP threads (torch's own workers, as in

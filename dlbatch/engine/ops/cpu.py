@@ -13,9 +13,9 @@ V rows (all heads) are read once, in order, with no per-sequence op dispatch, fr
 float32, float16 or bfloat16 cache. The torch loop below is the fallback.
 
 linear: ``F.linear`` goes to MKL, whose GEMM for the skinny shapes of a decode step
-(M = batch, 8 to 64 rows) runs at a third to a half of the fp32 peak on the AVX2 CPUs
-we measured. oneDNN with the weight reordered once at load into its blocked layout
-reaches the peak from M = 24 and is never slower at prefill sizes (docs/benchmarks.md).
+(M = batch, 8 to 64 rows) stays well below the fp32 peak. oneDNN with the weight
+reordered once at load into its blocked layout is faster at those shapes and never slower
+at prefill sizes (figures: docs/benchmarks.md).
 ``pack_linear`` reorders float32 weights when oneDNN is built in (``DLBATCH_ONEDNN=0``
 keeps the plain tensor); ``linear`` takes either kind. A row's result must not depend on
 how many rows share the call (a resumed sampling job batches differently and must draw the
@@ -24,11 +24,11 @@ different kernel for M = 1 on AVX-512 CPUs (the 1536-wide down projection differ
 last bits), so a single row goes through as the first of two.
 
 rms_norm, add_rms_norm, silu_and_mul, rotary_store_kv: one pass of a C kernel per row
-(``_fused.c``) instead of a chain of torch ops, each with a pass and a tensor of its own: a
-tenth of a prefill's time went to these chains, and a decode step dispatched some twenty
-small ops per layer for them. Rotary goes in place, into q and k (views of the QKV
-projection's output), as the CUDA kernels do. Inputs the kernel does not take (not
-float32, rows not contiguous) go to the reference.
+(``_fused.c``) instead of a chain of torch ops, each with a pass and a tensor of its own
+(a decode step would dispatch some twenty small ops per layer for them). Rotary goes in
+place, into q and k (views of the QKV projection's output), as the CUDA kernels do. Inputs
+the kernel does not take (a dtype it has no path for, rows not contiguous) go to the
+reference.
 
 prefill_attention: a chunk whose context starts in the cache (chunked prefill, prefix
 hit) needs a causal mask offset by the cached length, which SDPA only takes as an explicit
@@ -113,7 +113,7 @@ def _runs(table: list[int], lo: int, length: int, bs: int) -> list[tuple[int, in
     return runs
 
 
-SPLIT_MIN_TOKENS = 256  # chunks shorter than this gain nothing from the split (measured, docs/benchmarks.md)
+SPLIT_MIN_TOKENS = 256  # chunks shorter than this gain nothing from the split (docs/benchmarks.md)
 
 
 @register_op("prefill_attention", "cpu")

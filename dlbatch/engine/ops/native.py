@@ -1,5 +1,5 @@
 """CPU ops backed by small C kernels (``_paged_attn.c``, ``_argmax.c``, ``_fused.c``), compiled on first use by
-:mod:`dlbatch.native`. Unavailable (no compiler, ``DLBATCH_NATIVE=0``, a shape or dtype
+:mod:`dlbatch.cbuild`. Unavailable (no compiler, ``DLBATCH_NATIVE=0``, a shape or dtype
 it does not take) -> ``None`` and the caller uses its torch path."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _load(src: Path):
     libgomp, torch's, which our library's libgomp.so.1 resolves to). Those workers spin for
     a while after each of torch's parallel regions, so threads of our own started then would
     compete with them for the cores (docs/benchmarks.md)."""
-    from dlbatch.native import load
+    from dlbatch.cbuild import load
 
     try:
         return load(src, OPENMP_FLAGS)

@@ -1,0 +1,376 @@
+"""Committed job output: exactly-once rows, dead letters, manifest, report.
+
+Why not Ray Data's own checkpointing here: `ray.data.checkpoint.CheckpointConfig` tracks
+progress by an id column that must survive every operator one row in, one row out. Our
+pipeline fans one document out into K task rows and generation happens outside Ray Data
+(in the worker pools the plan places), so a row-level checkpoint of the read side would
+mark a document done before its K outputs exist. Instead the driver commits complete
+documents: every row of a document goes into one Parquet part, written to `_tmp/` and
+renamed into place (atomic on a local/POSIX filesystem; on object stores the final object
+appears whole when its single PUT/copy completes). A rerun reads the committed parts and
+skips every document already there, so each (document, task) appears exactly once.
+
+Layout under the output path:
+    part-<ms>-<run tag>-<hash of its (doc_id, task) keys>.parquet     result rows
+    _index/<part name>             the part's (doc_id, source, task, tokens): its index
+    _compact/<merged part>.json    a compaction in progress (see `OutputStore.compact`)
+    _errors/part-*.parquet         dead-letter rows (doc_id, source, stage, error_type, error)
+    _manifest.json                 the job fingerprint (a rerun with other settings is refused)
+    _report.json / .html / .png    the run report
+
+Exactly once through commit errors: a part's name is fixed by its rows, so retrying the same
+rows finds the identical file and skips; a lost reply to the rename is detected by the
+sink (the file is there with our bytes); and when a commit raised anyway, the store
+remembers it and, before the next commit, drops the rows that part holds if it landed.
+
+Resume cost: progress comes from the index files (a few columns, never the output text),
+read in parallel; a part without an index (crash between the two writes) is read for its
+index columns instead. The index is written after its part, so it never claims rows that
+are not committed. Compaction merges many small parts into a few large ones.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+
+log = logging.getLogger("dlbatch.driver.output_store")
+
+RESULT_COLUMNS = ["doc_id", "source", "task", "output", "prompt_tokens", "output_tokens", "finish_reason",
+                  "truncated", "model", "ttft_s", "latency_s", "long_input_policy", "doc_tokens", "kept_tokens",
+                  "chunks"]
+ERROR_COLUMNS = ["doc_id", "source", "task", "stage", "error_type", "error"]  # task: None = the whole document
+INDEX_COLUMNS = ["doc_id", "source", "task", "prompt_tokens", "output_tokens"]
+INDEX_DIR = "_index"
+COMPACT_DIR = "_compact"
+ERRORS_DIR = "_errors"
+# compaction defaults: parts under SMALL_ROWS rows are small; merge them when more than
+# COMPACT_MIN_PARTS exist, into parts of about COMPACT_TARGET_ROWS rows
+SMALL_ROWS = 4096
+COMPACT_MIN_PARTS = 64
+COMPACT_TARGET_ROWS = 65536
+COMPACT_TARGET_BYTES = 64 << 20  # ... or of about this many Parquet bytes (a merge holds them in memory)
+
+
+def keys_digest(keys) -> str:
+    return hashlib.sha256("\n".join(sorted(f"{a}\t{b}" for a, b in keys)).encode()).hexdigest()[:20]
+
+
+class OutputStore:
+    def __init__(self, url: str, storage_options: dict | None = None):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.root = self.root.rstrip("/")
+        self._run_tag = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
+        self._uncertain: list[tuple[str, str]] = []  # (dir, part name) of commits that raised
+
+    def _p(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _u(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def _rel(self, path: str) -> str:
+        return path[len(self.root):].lstrip("/") if path.startswith(self.root) else path
+
+    # ---- reading what is committed ------------------------------------------------------
+    def _listing(self) -> tuple[list[str], set[str]]:
+        """(committed result parts, every file under the output): one listing."""
+        from connectors.sink import committed_paths, find_all
+
+        found = find_all(self.fs, self.root)
+        top = [f for f in found if "/" not in self._rel(f)]
+        return committed_paths(self.fs, self.root, top + [f for f in found if self._rel(f).startswith(COMPACT_DIR)]), set(found)
+
+    def results(self, columns: list[str] | None = None):
+        import pyarrow as pa
+
+        from connectors.sink import read_paths
+
+        parts, _ = self._listing()
+        tables = read_paths(self.fs, parts, columns)
+        return pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
+
+    def errors(self, columns: list[str] | None = None):
+        from connectors.sink import read_committed
+
+        return read_committed(self._u(ERRORS_DIR), self.storage_options, columns=columns)
+
+    def part_indexes(self) -> list[tuple[str, object]]:
+        """[(part path, its index Table)] for every committed part: the index file when there
+        is one, else the part's index columns (never its text)."""
+        from connectors.sink import read_paths
+
+        parts, found = self._listing()
+        with_index = [p for p in parts if self._p(f"{INDEX_DIR}/{self._rel(p)}") in found]
+        indexed = set(with_index)
+        without = [p for p in parts if p not in indexed]
+        got = dict(zip(with_index, read_paths(self.fs, [self._p(f"{INDEX_DIR}/{self._rel(p)}") for p in with_index])))
+        got.update(zip(without, read_paths(self.fs, without, INDEX_COLUMNS)))
+        return [(p, got[p]) for p in parts]
+
+    def index(self):
+        """Every committed row's INDEX_COLUMNS as one Table."""
+        import pyarrow as pa
+
+        tables = [t.select(INDEX_COLUMNS) for _, t in self.part_indexes()]
+        return pa.concat_tables(tables) if tables else pa.table({c: [] for c in INDEX_COLUMNS})
+
+    def progress(self, tasks: set[str] | None = None) -> dict:
+        """What is committed: done/failed doc ids, tasks per doc, tokens, from the index.
+        ``sources_done``: sources all of whose documents are done (every task of ``tasks``,
+        any task when None) or dead-lettered."""
+        idx = self.index().to_pydict()
+        err = self.errors()  # dead letters are few; parts written before the task column lack it
+        errs = {c: (err.column(c).to_pylist() if c in err.column_names else [None] * err.num_rows)
+                for c in ("doc_id", "source", "task")}
+        docs: dict[str, set] = {}
+        by_source: dict[str, set] = {}
+        for d, s, t in zip(idx["doc_id"], idx["source"], idx["task"]):
+            docs.setdefault(d, set()).add(t)
+            by_source.setdefault(s, set()).add(d)
+        for d, s, t in zip(errs["doc_id"], errs["source"], errs["task"]):
+            by_source.setdefault(s, set()).add(d)
+            if t and d in docs:  # a task that failed alone has its outcome: the document is not redone for it
+                docs[d].add(t)
+        done = {d for d, ts in docs.items() if tasks is None or ts >= set(tasks)}
+        failed = set(errs["doc_id"]) - set(docs)
+        n = len(idx["doc_id"])
+        return {
+            "rows": n,
+            "docs_done": set(docs),
+            "docs_failed": failed,
+            "tasks_by_doc": docs,
+            "sources_done": {s for s, ds in by_source.items() if ds <= done | failed},
+            "prompt_tokens": sum(x or 0 for x in idx["prompt_tokens"]),
+            "output_tokens": sum(x or 0 for x in idx["output_tokens"]),
+            "duplicates": n - len(set(zip(idx["doc_id"], idx["task"]))),
+        }
+
+    # ---- committing -----------------------------------------------------------------------
+    def _part_name(self, keys) -> str:
+        return f"part-{self._run_tag}-{keys_digest(keys)}.parquet"
+
+    def _without_landed(self, rows: list[dict], key, dest: str) -> list[dict]:
+        """Drop rows an earlier commit to ``dest`` that raised did write after all (its reply
+        was lost). Uncertain commits to other directories stay for their own next commit."""
+        from connectors.io_retry import call_with_retry
+        from connectors.sink import read_parquet_bytes
+
+        pending = [u for u in self._uncertain if u[0] == dest]
+        self._uncertain = [u for u in self._uncertain if u[0] != dest]
+        for d, name in pending:
+            fs, p = self.fs, f"{self.fs._strip_protocol(d).rstrip('/')}/{name}"
+            if hasattr(fs, "invalidate_cache"):
+                fs.invalidate_cache(p)
+            if not call_with_retry(fs.exists, p, op=f"exists {p}"):
+                continue
+            t = read_parquet_bytes(call_with_retry(fs.cat_file, p, op=f"read {p}"))
+            landed = {key(r) for r in t.to_pylist()}
+            log.warning("a commit that reported an error landed (%s): %d rows not committed again", name, len(landed))
+            rows = [r for r in rows if key(r) not in landed]
+            if d == self.url:
+                self._write_index(name, t)
+        return rows
+
+    def _commit(self, table, dest: str, name: str) -> str:
+        from connectors.sink import write_parquet_atomic
+
+        try:
+            return write_parquet_atomic(table, dest, name, self.storage_options)
+        except BaseException:
+            self._uncertain.append((dest, name))
+            raise
+
+    def _write_index(self, name: str, table) -> None:
+        """The part's index; a failure only costs a slower resume (the part is read instead)."""
+        from connectors.sink import write_parquet_atomic
+
+        try:
+            write_parquet_atomic(table.select(INDEX_COLUMNS), self._u(INDEX_DIR), name, self.storage_options,
+                                 on_conflict="overwrite")
+        except OSError as e:
+            log.warning("could not write the index of %s (resume reads the part instead): %s", name, e)
+
+    def commit_results(self, rows: list[dict], include_text: bool, extra_fields=()) -> str | None:
+        """``extra_fields``: pyarrow fields appended to the schema (dlbatch/structured.py
+        `result_fields`: valid, output_error, one typed `<task>_json` per JSON-schema task)."""
+        rows = self._without_landed(rows, key=lambda r: (r["doc_id"], r["task"]), dest=self.url)
+        if not rows:
+            return None
+        import pyarrow as pa
+
+        cols = RESULT_COLUMNS + (["text"] if include_text else []) + [f.name for f in extra_fields]
+        table = pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows],
+                                     schema=result_schema(include_text, extra_fields))
+        name = self._part_name((r["doc_id"], r["task"]) for r in rows)
+        url = self._commit(table, self.url, name)
+        self._write_index(name, table)
+        return url
+
+    def commit_errors(self, rows: list[dict]) -> str | None:
+        rows = self._without_landed(rows, key=lambda r: (r["doc_id"], f"{r.get('task') or ''}:{r.get('stage')}"),
+                                    dest=self._u(ERRORS_DIR))
+        if not rows:
+            return None
+        import pyarrow as pa
+
+        table = pa.Table.from_pylist([{c: (None if r.get(c) is None else str(r.get(c))) for c in ERROR_COLUMNS}
+                                      for r in rows], schema=error_schema())
+        name = self._part_name((r["doc_id"], f"{r.get('task') or ''}:{r.get('stage')}") for r in rows)
+        return self._commit(table, self._u(ERRORS_DIR), name)
+
+    def read_json(self, name: str) -> dict | None:
+        from connectors.io_retry import call_with_retry
+
+        p = self._p(name)
+        if not call_with_retry(self.fs.exists, p, op=f"exists {p}"):
+            return None
+        return json.loads(call_with_retry(self.fs.cat_file, p, op=f"read {p}"))
+
+    def write_json(self, name: str, data: dict) -> None:
+        """Write then rename, so readers never see half a file."""
+        from connectors.io_retry import call_with_retry
+
+        body = json.dumps(data, indent=2, default=str).encode()
+        call_with_retry(self.fs.makedirs, self._p("_tmp"), exist_ok=True, op="makedirs")
+        tmp = self._p(f"_tmp/{uuid.uuid4().hex}.json")
+        call_with_retry(self.fs.pipe_file, tmp, body, op=f"write {tmp}")
+        if "/" in name:
+            call_with_retry(self.fs.makedirs, self._p(name.rsplit("/", 1)[0]), exist_ok=True, op="makedirs")
+        call_with_retry(self.fs.mv, tmp, self._p(name), op=f"commit {name}")
+
+    def _rm(self, path: str) -> None:
+        from connectors.io_retry import call_with_retry
+
+        try:
+            call_with_retry(self.fs.rm_file, path, op=f"delete {path}")
+        except FileNotFoundError:
+            pass
+
+    # ---- compaction -------------------------------------------------------------------------
+    def recover_compactions(self) -> int:
+        """Finish (merged part committed) or drop (it is not) every compaction record left by
+        a crash; removes index files whose part is gone. Returns records handled."""
+        from connectors.io_retry import call_with_retry
+        from connectors.sink import find_all, read_parquet_bytes
+
+        found = set(find_all(self.fs, self.root))
+        recs = sorted(f for f in found if self._rel(f).startswith(f"{COMPACT_DIR}/") and f.endswith(".json"))
+        for r in recs:
+            rec = json.loads(call_with_retry(self.fs.cat_file, r, op=f"read {r}"))
+            merged = self._p(rec["merged"])
+            if merged in found:
+                if self._p(f"{INDEX_DIR}/{rec['merged']}") not in found:
+                    t = read_parquet_bytes(call_with_retry(self.fs.cat_file, merged, op=f"read {merged}"))
+                    self._write_index(rec["merged"], t)
+                for n in rec["replaces"]:
+                    if self._p(n) in found:
+                        self._rm(self._p(n))
+            self._rm(r)
+        parts = {self._rel(f) for f in find_all(self.fs, self.root) if "/" not in self._rel(f)}
+        for f in found:
+            rel = self._rel(f)
+            name = rel[len(INDEX_DIR) + 1:]
+            if rel.startswith(f"{INDEX_DIR}/") and "/" not in name and name not in parts:
+                self._rm(f)  # its part was compacted away: an index is written only after its part
+        return len(recs)
+
+    def compact(self, min_parts: int = COMPACT_MIN_PARTS, small_rows: int = SMALL_ROWS,
+                target_rows: int = COMPACT_TARGET_ROWS, target_bytes: int = COMPACT_TARGET_BYTES) -> dict:
+        """Merge the parts of fewer than ``small_rows`` rows into parts of about
+        ``target_rows`` rows (or ``target_bytes`` Parquet bytes, whichever comes first) when
+        more than ``min_parts`` of them exist.
+
+        One merge: (1) the record ``_compact/<M>.json`` naming M and the parts S it replaces;
+        (2) M, written atomically like any part, then its index; (3) the parts S, then their
+        index files, deleted; (4) the record deleted. Readers skip S while the record and
+        M both exist (connectors.sink.compaction_hidden), so a crash at any step leaves
+        every row visible exactly once; `recover_compactions` finishes or drops the rest."""
+        self.recover_compactions()
+        small = [(p, t.num_rows) for p, t in self.part_indexes() if t.num_rows < small_rows]
+        if len(small) <= min_parts:
+            return {"parts_before": len(small), "merged_parts": 0, "parts_written": 0}
+        from connectors.io_retry import call_with_retry
+
+        sizes = {k: v.get("size") or 0 for k, v in
+                 call_with_retry(self.fs.find, self.root, maxdepth=1, detail=True, op=f"find {self.root}").items()}
+        groups, cur, n, nbytes = [], [], 0, 0
+        for p, rows in small:
+            cur.append(p)
+            n += rows
+            nbytes += sizes.get(p, 0)
+            if n >= target_rows or nbytes >= target_bytes:
+                groups.append(cur)
+                cur, n, nbytes = [], 0, 0
+        if len(cur) > 1:
+            groups.append(cur)
+        groups = [g for g in groups if len(g) > 1]
+        for g in groups:
+            self._merge(g)
+        return {"parts_before": len(small), "merged_parts": sum(len(g) for g in groups), "parts_written": len(groups)}
+
+    def _merge(self, paths: list[str]) -> str:
+        import pyarrow as pa
+
+        from connectors.sink import read_paths, write_parquet_atomic
+
+        names = [self._rel(p) for p in paths]
+        merged = f"part-c{hashlib.sha256(chr(10).join(names).encode()).hexdigest()[:24]}.parquet"
+        record = f"{COMPACT_DIR}/{merged[:-len('.parquet')]}.json"
+        self.write_json(record, {"merged": merged, "replaces": names})
+        table = pa.concat_tables(read_paths(self.fs, paths), promote_options="default")
+        write_parquet_atomic(table, self.url, merged, self.storage_options)
+        self._write_index(merged, table)
+        for p, n in zip(paths, names):
+            self._rm(p)
+            self._rm(self._p(f"{INDEX_DIR}/{n}"))
+        self._rm(self._p(record))
+        log.info("compacted %d parts (%d rows) into %s", len(paths), table.num_rows, merged)
+        return merged
+
+    def clear(self) -> int:
+        """--fresh: delete what this job wrote under the output path, nothing else: committed
+        parts, dead letters, indexes, compaction records, temporaries, manifest and report.
+        Other files stay."""
+        from connectors.io_retry import call_with_retry
+
+        if not call_with_retry(self.fs.exists, self.root, op=f"exists {self.root}"):
+            return 0
+        n = 0
+        for f in call_with_retry(self.fs.find, self.root, op=f"find {self.root}"):
+            rel = f[len(self.root):].lstrip("/")
+            name = rel.split("/")[-1]
+            ours = (rel.startswith((f"{ERRORS_DIR}/", "_tmp/", f"{INDEX_DIR}/", f"{COMPACT_DIR}/"))
+                    or name in ("_manifest.json", "_report.json", "_report.html", "_report.png")
+                    or (name.startswith("part-") and name.endswith(".parquet")))
+            if ours:
+                call_with_retry(self.fs.rm_file, f, op=f"delete {f}")
+                n += 1
+        return n
+
+
+def result_schema(include_text: bool, extra_fields=()):
+    import pyarrow as pa
+
+    fields = [("doc_id", pa.string()), ("source", pa.string()), ("task", pa.string()), ("output", pa.string()),
+              ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()), ("finish_reason", pa.string()),
+              ("truncated", pa.bool_()), ("model", pa.string()), ("ttft_s", pa.float64()), ("latency_s", pa.float64()),
+              # long documents (docs/long_documents.md): the policy applied (null: the document fit),
+              # its length, the tokens of it the model saw, the chunks of a map-reduce
+              ("long_input_policy", pa.string()), ("doc_tokens", pa.int64()), ("kept_tokens", pa.int64()),
+              ("chunks", pa.int64())]
+    if include_text:
+        fields.append(("text", pa.string()))
+    return pa.schema(fields + [(f.name, f.type) for f in extra_fields])
+
+
+def error_schema():
+    import pyarrow as pa
+
+    return pa.schema([(c, pa.string()) for c in ERROR_COLUMNS])

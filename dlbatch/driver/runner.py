@@ -1,0 +1,188 @@
+"""`dlbatch run`: one job from the job file to committed output.
+
+`JobRunner` composes the run: it reads what the output already holds (the manifest, the
+committed documents), lists the inputs, and when there is work it starts the compute plane
+(`WorkerPools`: Ray, worker actors, KV transport), the data plane (the job's Ray Data
+pipeline, prefetched by `BatchPrefetcher`), and runs the `DispatchLoop` until every
+document is committed or dead-lettered; `RunReport` writes the report at the end.
+
+Invariants: a rerun with other output-determining settings is refused (the manifest's
+fingerprint); documents already committed are never redone; a job whose inputs are
+unchanged since it completed is a no-op.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from dlbatch.driver.output_store import COMPACT_MIN_PARTS
+from dlbatch.driver.pools import MAX_RESTARTS, JobFailed, WorkerPools
+from dlbatch.transfer.errors import brief
+
+__all__ = ["JobFailed", "JobRunner", "MAX_RESTARTS", "inputs_signature"]
+
+log = logging.getLogger("dlbatch.run")
+
+
+def inputs_signature(files: list[str], storage_options: dict | None = None, limit: int | None = None) -> str:
+    """Names, sizes and versions (mtime / ETag) of the inputs, and input.limit: the "nothing
+    to do" check of a complete job compares it (connectors.listing.inputs_fingerprint)."""
+    from connectors.listing import inputs_fingerprint
+
+    return inputs_fingerprint(files, storage_options, limit)
+
+
+class JobRunner:
+    compact_min_parts: int | None = COMPACT_MIN_PARTS  # merge small parts at job end when more exist; None/-1: never
+
+    def __init__(self, spec, fresh: bool = False, plan: dict | None = None, progress: bool | None = None,
+                 flush_docs: int = 16, flush_seconds: float = 5.0, resource_timeout_s: float = 120.0,
+                 stall_timeout_s: float = 1800.0, input_timeout_s: float = 600.0):
+        self.spec = spec
+        self.fresh = fresh
+        self.plan = plan
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.flush_docs, self.flush_seconds = flush_docs, flush_seconds
+        self.resource_timeout_s = resource_timeout_s  # a chip resource the pools need may be absent this long
+        self.stall_timeout_s = stall_timeout_s  # no batch returned (result or error) while batches are in flight
+        self.input_timeout_s = input_timeout_s  # no document from the input pipeline while every worker was idle
+        self.pools: WorkerPools | None = None  # while the run holds workers
+        self.loop = None  # the DispatchLoop while it runs
+
+    @property
+    def inflight(self) -> int:
+        """Batches in flight now (0 before the loop starts)."""
+        return self.loop.inflight if self.loop is not None else 0
+
+    @property
+    def workers(self) -> dict:
+        """role -> worker actor handles of the running pools."""
+        return self.pools.workers if self.pools is not None else {}
+
+    # ------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        from connectors import list_inputs
+        from connectors.io_retry import retry_count
+        from dlbatch.driver.output_store import OutputStore
+        from dlbatch.jobspec import check_resume_compatible, fingerprint_fields, job_fingerprint
+        from dlbatch.report.run import RunReport
+
+        spec = self.spec
+        t_start = time.time()
+        io_retries_start = retry_count()
+        store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+        if self.fresh:
+            n = store.clear()
+            log.info("--fresh: removed %d files of a previous run under %s", n, spec.output.path)
+        manifest = store.read_json("_manifest.json")
+        if manifest is not None:
+            check_resume_compatible(manifest.get("fields", {}), spec, output=spec.output.path)
+        report = RunReport(spec, self.plan, t_start)
+        report.startup.start("list_inputs")
+        files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
+        report.startup.end("list_inputs")
+        by_file = spec.input.format in ("pdf", "text")  # one document per file: a source is done when it is
+        if spec.input.limit is not None and by_file:
+            files = files[:spec.input.limit]
+        sig = inputs_signature(files, dict(spec.input.storage_options), spec.input.limit)
+        task_names = {t.name for t in spec.tasks}
+        prog = store.progress(tasks=task_names)  # from the parts' index files, not their text
+        done_ok = {d for d, ts in prog["tasks_by_doc"].items() if ts >= task_names}
+        if manifest and manifest.get("complete") and manifest.get("inputs") == sig:
+            print(f"job {spec.name!r} is already complete in {spec.output.path}: {len(done_ok)} documents done, "
+                  f"{len(prog['docs_failed'])} failed; nothing to do (use --fresh to start over)", file=sys.stderr)
+            return {"noop": True, "docs_ok": len(done_ok), "docs_failed": len(prog["docs_failed"]),
+                    "rows_written": prog["rows"]}
+        store.write_json("_manifest.json", {"name": spec.name, "fingerprint": job_fingerprint(spec),
+                                            "fields": fingerprint_fields(spec), "inputs": sig, "complete": False,
+                                            "started": t_start})
+        todo = [f for f in files if f not in prog["sources_done"]] if by_file else files
+        report.already_done, report.already_failed = len(done_ok), len(prog["docs_failed"])
+        if not todo:
+            report = report.finish(store, compaction=self._compact_output(store))
+            store.write_json("_manifest.json", {**store.read_json("_manifest.json"), "complete": True})
+            print(f"job {spec.name!r}: every input is already processed; nothing to do", file=sys.stderr)
+            return report
+        out = self._run_pools(store, todo, done_ok | prog["docs_failed"], report,
+                              docs_total_hint=len(files) if by_file else None)
+        out = out.finish(store, retries={"worker": out.retries, "io": retry_count() - io_retries_start})
+        store.write_json("_manifest.json", {**(store.read_json("_manifest.json") or {}), "complete": True,
+                                            "inputs": sig})
+        return out
+
+    def _run_pools(self, store, files: list[str], skip_docs: set, report, docs_total_hint: int | None):
+        """Workers up, input flowing, the loop run: what the report needs to finish."""
+        from dlbatch.driver.feed import BatchPrefetcher
+        from pipelines import get_pipeline
+
+        spec = self.spec
+        pools = self.pools = WorkerPools(spec, self.plan, self.resource_timeout_s)
+        prefetch = None
+        try:
+            pools.start(report.startup)
+            t_data = time.time()  # documents are parsed and tokenized while the workers load the model
+            prefetch = BatchPrefetcher(get_pipeline(spec.pipeline).build(spec, files, skip_docs))
+            report.startup.span("data_plan", t_data, time.time())
+            pools.wait_ready(report.startup, report)
+            return self._drive(store, prefetch, pools, report, docs_total_hint)
+        finally:
+            if prefetch is not None:
+                report.first_batch_at = prefetch.first_batch_at
+                prefetch.close()
+            pools.stop()
+            self.pools = None
+
+    def _drive(self, store, batches, pools, report, docs_total_hint: int | None):
+        """Run the DispatchLoop; returns the finishing step of the report (`_Finish`)."""
+        from dlbatch.driver.loop import DispatchLoop
+        from dlbatch.report.metrics import JobMetrics
+        from dlbatch.report.progress import Progress
+        from dlbatch.report.run import Tally
+
+        spec = self.spec
+        already = report.already_done + report.already_failed
+        tally = Tally(metrics=JobMetrics(spec.name), already=already,
+                      progress=Progress(spec.name, total_docs=docs_total_hint, initial_docs=already, tty=self.progress))
+        loop = self.loop = DispatchLoop(spec, store, pools, batches, report, tally, docs_total_hint=docs_total_hint,
+                                        flush_docs=self.flush_docs, flush_seconds=self.flush_seconds,
+                                        stall_timeout_s=self.stall_timeout_s, input_timeout_s=self.input_timeout_s)
+        try:
+            loop.run()
+        finally:
+            self.loop = None
+        stats = pools.stats()
+        wall = max(1e-9, time.time() - report.t_start)
+        for role, sts in stats.items():
+            for i, st in enumerate(sts):
+                tally.metrics.worker_busy(role, i, st.get("busy_s", 0.0) / wall)
+        return _Finish(self, report, tally, stats, loop, pools)
+
+    def _compact_output(self, store) -> dict:
+        """At job end: merge the small committed parts when more than compact_min_parts
+        exist (OutputStore.compact); a failure leaves the parts as they are and never fails
+        the job."""
+        min_parts = self.compact_min_parts
+        if min_parts is None or min_parts < 0:
+            return {}
+        try:
+            return store.compact(min_parts=min_parts)
+        except Exception as e:
+            log.warning("compaction of %s skipped: %s", store.url, brief(e))
+            return {"error": brief(e)}
+
+
+class _Finish:
+    """What a finished loop leaves for the report, taken before the pools are stopped."""
+
+    def __init__(self, runner: JobRunner, report, tally, stats: dict, loop, pools):
+        self.runner, self.report, self.tally, self.stats = runner, report, tally, stats
+        self.router, self.dispatch = loop.d.router.stats.to_dict(), loop.dispatch_stats()
+        self.retries, self.long_inputs = loop.worker_retries(), loop.long_inputs_report()
+        self.kv_transport, self.rdt_regroups = pools.kv_via, pools.rdt_regroups
+
+    def finish(self, store, retries: dict) -> dict:
+        return self.report.finish(store, self.tally, stats=self.stats, router=self.router, dispatch=self.dispatch,
+                                  retries=retries, compaction=self.runner._compact_output(store),
+                                  long_inputs=self.long_inputs, kv_transport=self.kv_transport,
+                                  rdt_regroups=self.rdt_regroups)

@@ -1,0 +1,115 @@
+"""The driver's side of ``long_inputs: chunk``: map requests in, reduce requests out, one
+final row per task.
+
+`PromptStage` turns a document too long for the context into the map rows of a
+`dlbatch.prompts.longdoc.ChunkPlan` (one per chunk and chunked task; the plan's state rides on
+every row as JSON). Each map row is a request of its own, named ``<task>#<key>`` (task
+names never hold ``#``), so the dispatcher routes, batches, retries and blames it like any
+other request. `MapReduce` is the `Dispatcher`'s ``more_requests`` hook: when every
+request of a document is done it feeds their outputs to the document's plan and returns
+the reduce requests that became ready (the next level of a recursive reduce, or the
+task's final one); the document completes when the plan asks for nothing more, and
+`output_rows` then gives one row per original task with the final answer.
+
+Invariants. A document is committed only when every task has its final answer, all in
+one part, so a run killed between map and reduce commits nothing of it and the rerun
+redoes its chunks; a partial reduce is never written. Plain object: no Ray, no engine.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from dlbatch.prompts.stage import derive_seed
+
+log = logging.getLogger("dlbatch.run")
+
+SEP = "#"
+
+
+def is_chunk_row(row: dict) -> bool:
+    return bool(row.get("chunk_plan"))
+
+
+def base_task(task: str) -> str:
+    return task.split(SEP, 1)[0]
+
+
+class MapReduce:
+    def __init__(self, spec, tokenizer):
+        self.spec = spec
+        self.tok = tokenizer
+        self.plans: dict = {}  # doc id -> ChunkPlan, while the document is open
+        self.fed: dict[str, set] = {}  # doc id -> request names already given to its plan
+        self.index = {t.name: k for k, t in enumerate(spec.tasks)}
+        self.chunk_tokens: list[int] = []  # token length of every chunk of the documents completed
+
+    @staticmethod
+    def request_row(row: dict) -> dict:
+        """A map row from the prompt stage as a request of its own (unique name per chunk)."""
+        if not is_chunk_row(row) or SEP in row["task"]:
+            return row
+        return {**row, "task": f"{row['task']}{SEP}map:{row['task']}:0:{row['chunk_index']}"}
+
+    def _plan(self, doc):
+        from dlbatch.prompts.longdoc import ChunkPlan
+
+        plan = self.plans.get(doc.doc_id)
+        if plan is None:
+            first = next(r for r in doc.rows.values() if is_chunk_row(r))
+            state = json.loads(first["chunk_plan"])
+            tasks = sorted({base_task(t) for t, r in doc.rows.items() if is_chunk_row(r)}, key=self.index.get)
+            ctx = {"doc_id": doc.doc_id, "title": first.get("title") or "", "source": first.get("source"),
+                   "pages": first.get("pages") or 0, "text": ""}
+            plan = ChunkPlan.from_state(state, ctx, [self.spec.tasks[self.index[t]] for t in tasks], self.tok)
+            self.plans[doc.doc_id] = plan
+            self.fed[doc.doc_id] = set()
+        return plan
+
+    def more_requests(self, doc) -> list[dict]:
+        """The Dispatcher's hook: every request of ``doc`` is done; what comes next."""
+        if not any(is_chunk_row(r) for r in doc.rows.values()):
+            return []
+        plan = self._plan(doc)
+        fed = self.fed[doc.doc_id]
+        new = []
+        for name, row in doc.rows.items():
+            if not is_chunk_row(row) or name in fed:
+                continue
+            fed.add(name)
+            res = doc.results.get(name) or {}
+            new += plan.on_done(name.split(SEP, 1)[1], res.get("output", ""))
+        first = next(r for r in doc.rows.values() if is_chunk_row(r))
+        if new:
+            log.info("document %s: %d reduce requests (level %s) after its %d chunks", doc.doc_id, len(new),
+                     "/".join(sorted({str(r.level) for r in new})), plan.num_chunks)
+        return [{**first, "task": f"{r.task}{SEP}{r.key}", "task_index": r.task_index, "prompt_ids": r.prompt_ids,
+                 "max_tokens": r.max_tokens, "chunk_index": None,
+                 "seed": derive_seed(self.spec.sampling.seed, doc.doc_id, f"{r.task}/{r.key}")} for r in new]
+
+    def output_rows(self, doc, model: str, extra=None) -> list[dict]:
+        """The document's result rows: its plain tasks as `Document.output_rows` gives them,
+        and one row per chunked task with the final answer. A chunked task's row counts the
+        tokens of all its map and reduce requests and the final request's finish reason."""
+        rows = [r for r in doc.output_rows(model, extra) if SEP not in r["task"]]
+        plan = self.plans.pop(doc.doc_id, None)
+        self.fed.pop(doc.doc_id, None)
+        if plan is None:
+            return rows
+        self.chunk_tokens += plan.summary()["chunk_tokens"]
+        for name, _, _ in plan.tasks:
+            reqs = [(t, r) for t, r in doc.rows.items() if base_task(t) == name and SEP in t]
+            results = [doc.results[t] for t, _ in reqs]
+            final = doc.results[f"{name}{SEP}reduce:{name}:{plan.final_level[name]}:0"]
+            first = reqs[0][1]
+            rows.append({"doc_id": doc.doc_id, "source": first["source"], "task": name,
+                         "output": plan.final(name) or "",
+                         "prompt_tokens": sum(len(r["prompt_ids"]) for _, r in reqs),
+                         "output_tokens": sum(x.get("output_tokens", 0) for x in results),
+                         "finish_reason": final.get("finish_reason"), "truncated": False, "model": model,
+                         "ttft_s": final.get("ttft_s"), "latency_s": final.get("latency_s"), "text": first.get("text"),
+                         "long_input_policy": "chunk", "doc_tokens": first.get("doc_tokens"),
+                         "kept_tokens": first.get("doc_tokens"), "chunks": plan.num_chunks,
+                         **(extra(name, final) if extra else {})})
+        order = {t.name: k for k, t in enumerate(self.spec.tasks)}
+        return sorted(rows, key=lambda r: order.get(r["task"], 0))

@@ -1,0 +1,234 @@
+"""The prompt stage: a document -> its K task requests (rendered, chat-templated,
+tokenized), with the long-input policy applied.
+
+`PromptStage` is a callable class over Arrow batches, so Ray Data runs it in its actors
+(``map_batches``) and unit tests call ``process(doc)`` directly, without Ray. A document's
+rows stay together and start with the document, so its tasks share it as prefix.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+from connectors.parse import STRUCTURE_KEYS
+
+log = logging.getLogger("dlbatch.prompts.stage")
+
+REQUEST_COLUMNS = ["doc_id", "source", "title", "pages", "task", "task_index", "prompt_ids", "max_tokens",
+                   "truncated", "seed", "text", "stage", "error_type", "error",
+                   "long_input_policy", "doc_tokens", "kept_tokens", "chunk_index", "chunk_count", "chunk_plan"]
+MIDDLE_MARK = "\n\n[...]\n\n"   # where ``long_inputs: middle`` dropped the middle of a document
+
+
+def derive_seed(job_seed: int, doc_id: str, task: str) -> int:
+    """Per-(document, task) seed: resumes and retries sample the same tokens."""
+    h = hashlib.sha256(f"{job_seed}:{doc_id}:{task}".encode()).digest()
+    return int.from_bytes(h[:4], "little")
+
+
+class PromptStage:
+    """map_batches: documents -> K request rows each (all of a document's rows in the same
+    output batch, document first so the tasks share it as prefix)."""
+
+    def __init__(self, spec, skip_doc_ids=None, map_reduce: bool = False):
+        """``spec``: the validated job (`dlbatch.jobspec.JobSpec`; pickled to Ray Data's actors)."""
+        from dlbatch.engine.config import EngineConfig
+        from dlbatch.engine.loader import load_model_config, load_tokenizer
+        from dlbatch.prompts.templates import compile_task_templates
+
+        self.spec = spec
+        m = self.spec.model
+        self.tok = load_tokenizer(m.name)
+        self.max_model_len = m.max_model_len or EngineConfig().for_model(load_model_config(m.name)).max_model_len
+        self.template = None
+        if m.chat_template is not None:
+            with open(m.chat_template, encoding="utf-8") as f:
+                self.template = f.read()
+        has_template = self.template is not None or self.tok.chat_template is not None
+        self.chat = has_template if m.chat is None else bool(m.chat)
+        # one renderer per task: a task whose prompt cannot be rendered for a document fails alone
+        self.renders = [compile_task_templates([t]) for t in self.spec.tasks]
+        self.map_reduce = map_reduce   # True: `chunk` documents become ChunkPlan map rows
+        self.skip = set(skip_doc_ids or ())
+        if hasattr(skip_doc_ids, "__ray_ref__"):  # pragma: no cover
+            self.skip = set()
+
+    def _encode(self, k: int, prompt: str) -> list[int]:
+        """Task k's prompt -> token ids: raw, or through the chat template with the task's
+        (else the job's) system prompt and template kwargs. The system message comes
+        before the document, so it is part of the prefix the tasks share only when every
+        task has the same one."""
+        t, m = self.spec.tasks[k], self.spec.model
+        if t.raw or not self.chat:
+            return self.tok.encode(prompt)
+        system = t.system if t.system is not None else m.system
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        text = self.tok.apply_chat_template(messages, template=self.template,
+                                            **{**m.chat_template_kwargs, **t.chat_template_kwargs})
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def _render(self, k: int, ctx: dict) -> str:
+        return self.renders[k](ctx)[0]
+
+    def __call__(self, batch):
+        import pyarrow as pa
+
+        rows = batch.to_pylist() if hasattr(batch, "to_pylist") else batch
+        out: list[dict] = []
+        for doc in rows:
+            if doc["doc_id"] in self.skip:
+                continue
+            out.extend(self.process(doc))
+        return pa.Table.from_pylist(out, schema=request_schema())
+
+    def process(self, doc: dict) -> list[dict]:
+        """A document's request rows, one per task. A task whose prompt cannot be rendered
+        becomes an error row naming the task (the other tasks go on); if every task fails,
+        or the document itself is bad, one error row for the document (task None). Tasks
+        whose prompt does not fit (prompt + max_tokens > max_model_len) follow their policy
+        (the task's ``long_inputs``, else the job's): ``skip`` dead-letters the document;
+        ``truncate`` / ``middle`` cut the document (head / head and tail) the same way for
+        every task of that policy, so they keep sharing it as prefix; ``chunk`` plans a
+        map-reduce (dlbatch/longdoc.py)."""
+        spec = self.spec
+        base = {"doc_id": doc["doc_id"], "source": doc["source"], "title": doc.get("title"),
+                "pages": doc.get("pages"), "text": doc.get("text") if spec.output.include_text else None}
+        if doc.get("error"):
+            return [self._error(base, "parse", doc.get("error_type") or "ParseError", doc["error"])]
+        if not (doc.get("text") or "").strip():
+            return [self._error(base, "parse", "EmptyDocument", "document has no text")]
+        tasks = spec.tasks
+        limit = self.max_model_len
+        try:
+            ctx = self._context(doc)
+        except Exception as e:
+            return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
+        ids: dict[int, list[int]] = {}
+        errors: dict[int, Exception] = {}
+        for k in range(len(tasks)):
+            try:
+                ids[k] = self._encode(k, self._render(k, ctx))
+            except Exception as e:
+                errors[k] = e
+        if not ids:
+            e = next(iter(errors.values()))
+            return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
+        marks: dict[int, dict] = {k: {} for k in ids}
+        try:
+            by_policy: dict[str, list[int]] = {}
+            for k, i in ids.items():
+                if len(i) > limit - tasks[k].max_tokens:
+                    by_policy.setdefault(tasks[k].long_inputs or spec.long_inputs, []).append(k)
+            if "skip" in by_policy:
+                k = by_policy["skip"][0]
+                return [self._error(base, "prompt", "LongInput",
+                                    f"task {tasks[k].name!r}: prompt of {len(ids[k])} tokens + max_tokens "
+                                    f"{tasks[k].max_tokens} exceeds max_model_len {limit}")]
+            for policy in ("truncate", "middle"):
+                if policy in by_policy:
+                    cut_ids, mark = self._truncate(ctx, by_policy[policy], limit, policy)
+                    for k, i in cut_ids.items():
+                        ids[k], marks[k] = i, mark
+            map_rows = self._chunk(base, doc, ctx, [tasks[k] for k in by_policy.get("chunk", [])])
+        except Exception as e:
+            return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
+        if isinstance(map_rows, dict):  # an error row
+            return [map_rows]
+        chunked = set(by_policy.get("chunk", []))
+        out = []
+        for k, t in enumerate(tasks):
+            if k in errors:
+                e = errors[k]
+                out.append({**self._error(base, "prompt", type(e).__name__, str(e)[:500]), "task": t.name,
+                            "task_index": k})
+            elif k not in chunked:
+                out.append({**base, "task": t.name, "task_index": k, "prompt_ids": ids[k], "max_tokens": t.max_tokens,
+                            "truncated": bool(marks[k]), "seed": derive_seed(spec.sampling.seed, doc["doc_id"], t.name),
+                            "stage": None, "error_type": None, "error": None, **_NO_MARK, **marks[k]})
+        return out + map_rows
+
+    def _context(self, doc: dict) -> dict:
+        ctx = {"text": doc["text"], "title": doc.get("title") or "", "doc_id": doc["doc_id"],
+               "source": doc["source"], "pages": doc.get("pages") or 0}
+        structure = doc.get("structure")
+        if isinstance(structure, str):
+            structure = json.loads(structure)
+        ctx.update({k: (structure or {}).get(k) for k in STRUCTURE_KEYS if k in (structure or {})}
+                   or {k: doc[k] for k in STRUCTURE_KEYS if k in doc})
+        return ctx
+
+    def _chunk(self, base: dict, doc: dict, ctx: dict, tasks) -> list[dict] | dict:
+        """Map rows of a ChunkPlan for the tasks that chunk (none: []); an error row when this
+        runner has no map-reduce driver."""
+        if not tasks:
+            return []
+        if not self.map_reduce:
+            return self._error(base, "prompt", "LongInput",
+                               f"task {tasks[0].name!r}: long_inputs 'chunk' needs the map-reduce driver, which "
+                               "this runner does not have; use truncate, middle or skip")
+        from dlbatch.prompts.longdoc import ChunkPlan
+
+        c, spec = self.spec.chunking, self.spec
+        plan = ChunkPlan(ctx, tasks, self.tok, max_model_len=self.max_model_len, chat=self.chat,
+                         chunk_tokens=c.chunk_tokens, overlap_tokens=c.overlap_tokens, map_prompt=c.map_prompt,
+                         reduce_prompt=c.reduce_prompt, map_max_tokens=c.map_max_tokens)
+        state = json.dumps(plan.to_state())
+        index = {t.name: k for k, t in enumerate(spec.tasks)}
+        return [{**base, "task": r.task, "task_index": index[r.task], "prompt_ids": r.prompt_ids,
+                 "max_tokens": r.max_tokens, "truncated": False,
+                 "seed": derive_seed(spec.sampling.seed, doc["doc_id"], f"{r.task}/{r.key}"),
+                 "stage": None, "error_type": None, "error": None, "long_input_policy": "chunk",
+                 "doc_tokens": len(plan.ids), "kept_tokens": len(plan.ids), "chunk_index": r.index,
+                 "chunk_count": plan.num_chunks, "chunk_plan": state} for r in plan.map_requests()]
+
+    def _truncate(self, ctx: dict, ks: list[int], limit: int, policy: str = "truncate"):
+        """Cut the document so every task of ``ks`` fits: its head (``truncate``) or its
+        head and tail around MIDDLE_MARK (``middle``). The same cut for all of them keeps
+        their shared prefix. Returns ({task index: prompt ids}, the row marks)."""
+        from dlbatch.prompts.templates import document_context
+
+        tasks = self.spec.tasks
+        text_ids = self.tok.encode(ctx["text"], add_special_tokens=False)
+        body = document_context(ctx)["text_without_references"]
+        body_ids = text_ids if body == ctx["text"] else self.tok.encode(body, add_special_tokens=False)
+        empty = {k: self._encode(k, self._render(k, {**ctx, "text": "", "text_without_references": ""})) for k in ks}
+        budget = min(limit - tasks[k].max_tokens - len(empty[k]) for k in ks) - 8
+        if budget <= 0:
+            raise ValueError(f"the task prompts alone need more than max_model_len {limit} tokens")
+        n = min(len(text_ids), budget)
+        while True:
+            cut = {"text": self._cut(text_ids, n, policy), "text_without_references": self._cut(body_ids, n, policy)}
+            ids = {k: self._encode(k, self._render(k, {**ctx, **cut})) for k in ks}
+            if all(len(ids[k]) <= limit - tasks[k].max_tokens for k in ks) or n <= 0:
+                return ids, {"long_input_policy": policy, "doc_tokens": len(text_ids), "kept_tokens": n}
+            n -= max(8, n // 50)
+
+    def _cut(self, ids: list[int], n: int, policy: str) -> str:
+        if n >= len(ids):
+            return self.tok.decode(ids)
+        if policy == "middle":
+            head = n // 2
+            return self.tok.decode(ids[:head]) + MIDDLE_MARK + self.tok.decode(ids[len(ids) - (n - head):])
+        return self.tok.decode(ids[:n])
+
+    @staticmethod
+    def _error(base: dict, stage: str, etype: str, msg: str) -> dict:
+        return {**base, "task": None, "task_index": -1, "prompt_ids": [], "max_tokens": 0, "truncated": False,
+                "seed": 0, "stage": stage, "error_type": etype, "error": msg, **_NO_MARK}
+
+
+_NO_MARK = {"long_input_policy": None, "doc_tokens": None, "kept_tokens": None, "chunk_index": None,
+            "chunk_count": None, "chunk_plan": None}
+
+
+def request_schema():
+    import pyarrow as pa
+
+    return pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("title", pa.string()),
+                      ("pages", pa.int64()), ("task", pa.string()), ("task_index", pa.int64()),
+                      ("prompt_ids", pa.list_(pa.int64())), ("max_tokens", pa.int64()), ("truncated", pa.bool_()),
+                      ("seed", pa.int64()), ("text", pa.string()), ("stage", pa.string()),
+                      ("error_type", pa.string()), ("error", pa.string()),
+                      ("long_input_policy", pa.string()), ("doc_tokens", pa.int64()), ("kept_tokens", pa.int64()),
+                      ("chunk_index", pa.int64()), ("chunk_count", pa.int64()), ("chunk_plan", pa.string())])

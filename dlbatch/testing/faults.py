@@ -1,0 +1,42 @@
+"""Faults the drills inject into workers, switched on by an environment variable.
+
+``DLBATCH_TEST_FAULTS`` holds a JSON object; a worker started with it set (the driver passes
+its ``DLBATCH_*`` variables on to its workers) builds a `WorkerFaults` and calls
+``before_call(role, items)`` before each batch:
+
+* ``{"die_on": "poison::"}``: the worker's process exits at once (``os._exit(1)``, as a
+  segfault or the OOM killer would end it) when a request id of the batch contains the text.
+
+Unset (every real job), workers hold no `WorkerFaults` and nothing here runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+ENV = "DLBATCH_TEST_FAULTS"
+
+
+@dataclass(frozen=True)
+class WorkerFaults:
+    die_on: str | None = None
+
+    @classmethod
+    def from_env(cls) -> "WorkerFaults | None":
+        raw = os.environ.get(ENV)
+        if not raw:
+            return None
+        try:
+            return cls(**json.loads(raw))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{ENV} must be a JSON object with the keys of WorkerFaults, got {raw!r}: {e}") from None
+
+    def before_call(self, role: str, items: list[dict]) -> None:
+        if self.die_on and any(self.die_on in it["request_id"] for it in items):
+            os._exit(1)
+
+
+def env(**faults) -> dict:
+    """{ENV: json} for a test's monkeypatch.setenv / subprocess environment."""
+    return {ENV: json.dumps(faults)}
