@@ -168,29 +168,29 @@ class _FakeWorker:
         self.shm_cleanup = _Remote(lambda close: self.cleaned.append(close) or [])
 
 
-def _runner(via):
+def _pools(via, workers):
+    from dlbatch.driver.pools import WorkerPools
     from dlbatch.jobspec import load_job
-    from dlbatch.driver.runner import JobRunner
 
-    r = JobRunner(load_job("jobs/papers_jsonl.yaml", []), progress=False)
-    r.kv_via = via
-    return r
+    p = WorkerPools(load_job("jobs/papers_jsonl.yaml", []))
+    p.kv_via, p.workers = via, workers
+    return p
 
 
 def test_shm_across_nodes_fails_at_start_naming_the_nodes(monkeypatch):
     import ray
 
-    from dlbatch.driver.runner import JobFailed
+    from dlbatch.driver.pools import JobFailed
 
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
     split = {"prefill": [_FakeWorker("aaaa")], "decode": [_FakeWorker("aaaa"), _FakeWorker("bbbb")]}
     with pytest.raises(JobFailed, match=r"kv_transport='shm' needs every prefill and decode worker on one node.*"
                                         r"2 nodes.*decode\[1\]"):
-        _runner("shm")._check_shm_same_node(split)
+        _pools("shm", split)._check_shm_same_node()
     same = {"prefill": [_FakeWorker("aaaa")], "decode": [_FakeWorker("aaaa")]}
-    _runner("shm")._check_shm_same_node(same)  # one node: fine, and stale segments swept there
+    _pools("shm", same)._check_shm_same_node()  # one node: fine, and stale segments swept there
     assert same["decode"][0].cleaned == [False]
-    _runner("object_store")._check_shm_same_node(split)  # other transports: not concerned
+    _pools("object_store", split)._check_shm_same_node()  # other transports: not concerned
 
 
 def test_shm_cleanup_sweeps_dead_and_closes_own_pool():

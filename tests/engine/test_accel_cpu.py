@@ -114,11 +114,11 @@ def test_fused_reference_ops_equal_the_unfused_math():
 
 
 def test_cuda_ops_register_only_with_triton():
-    from dlbatch.engine.ops import cuda, registry
+    from dlbatch.engine.ops import cuda, registry, resolve
 
-    registry._load_builtin()
+    resolve._load_builtin()
     registered = {n for (n, dev) in registry._IMPLS if dev == "cuda"}
     assert registered == (set(cuda.IMPLS) if cuda.AVAILABLE else set())
-    assert set(registry.get_ops("cpu").chosen.values()) <= {"reference", "cpu"}  # CUDA kernels stay on CUDA
+    assert set(resolve.get_ops("cpu").chosen.values()) <= {"reference", "cpu"}  # CUDA kernels stay on CUDA
 
 
