@@ -212,7 +212,7 @@ class ModelSpec(BaseModel):
 
 class TaskOutputSpec(BaseModel):
     """What a task's output must be (exactly one key): the engine constrains the generation
-    to it and the rows carry the parsed, typed value (dlbatch/structured.py)."""
+    to it and the rows carry the parsed, typed value (dlbatch/prompts/structured.py)."""
 
     model_config = _STRICT
 
@@ -272,7 +272,7 @@ def _default_tasks() -> list[TaskSpec]:
 
 
 class ChunkingSpec(BaseModel):
-    """``long_inputs: chunk`` settings (dlbatch/longdoc.py)."""
+    """``long_inputs: chunk`` settings (dlbatch/prompts/longdoc.py)."""
     model_config = _STRICT
 
     chunk_tokens: Optional[int] = Field(None, ge=64)   # None: as large as max_model_len allows

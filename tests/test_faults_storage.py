@@ -107,7 +107,7 @@ def test_user_cache_dir_is_private_and_checked(tmp_path, monkeypatch):
 def test_native_helper_compiled_into_private_cache_and_recompiled_when_writable(tmp_path, monkeypatch):
     import shutil
 
-    from dlbatch import native
+    from dlbatch import cbuild as native
 
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler")
@@ -129,7 +129,7 @@ def test_native_helper_rebuilt_when_a_local_header_changes(tmp_path, monkeypatch
     header gives a new library, never the one built from the old header."""
     import shutil
 
-    from dlbatch import native
+    from dlbatch import cbuild as native
 
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler")

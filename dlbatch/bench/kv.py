@@ -1,6 +1,6 @@
 """`dlbatch bench kv`: KV payload bandwidth per transport next to plain memory-copy
 bandwidth measured in the same run (the physical limit here), and the fraction of a
-layer-by-layer transfer hidden behind prefill compute. See dlbatch/transfer/bench.py."""
+layer-by-layer transfer hidden behind prefill compute. See dlbatch/bench/kv_transfer.py."""
 from __future__ import annotations
 
 from dlbatch.bench.common import write_json

@@ -83,14 +83,20 @@ def _resume_seconds(spec, docs: int) -> float:
     """JobRunner.run() up to the start of the worker pools."""
     from dlbatch.driver.runner import JobRunner
 
+    class _Reached(Exception):
+        pass
+
     class _Probe(JobRunner):
-        def _run_pools(self, store, files, skip_docs, t_start, sig):
+        def _run_pools(self, store, files, skip_docs, report, docs_total_hint):
             self.probe = {"skip": len(skip_docs), "t": time.perf_counter()}
-            return {}
+            raise _Reached  # where the worker pools would start: stop here
 
     r = _Probe(spec, progress=False)
     t0 = time.perf_counter()
-    r.run()
+    try:
+        r.run()
+    except _Reached:
+        pass
     assert r.probe["skip"] == docs, r.probe
     return r.probe["t"] - t0
 

@@ -198,7 +198,7 @@ class OutputStore:
             log.warning("could not write the index of %s (resume reads the part instead): %s", name, e)
 
     def commit_results(self, rows: list[dict], include_text: bool, extra_fields=()) -> str | None:
-        """``extra_fields``: pyarrow fields appended to the schema (dlbatch/structured.py
+        """``extra_fields``: pyarrow fields appended to the schema (dlbatch/prompts/structured.py
         `result_fields`: valid, output_error, one typed `<task>_json` per JSON-schema task)."""
         rows = self._without_landed(rows, key=lambda r: (r["doc_id"], r["task"]), dest=self.url)
         if not rows:

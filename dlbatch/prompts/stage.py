@@ -90,7 +90,7 @@ class PromptStage:
         (the task's ``long_inputs``, else the job's): ``skip`` dead-letters the document;
         ``truncate`` / ``middle`` cut the document (head / head and tail) the same way for
         every task of that policy, so they keep sharing it as prefix; ``chunk`` plans a
-        map-reduce (dlbatch/longdoc.py)."""
+        map-reduce (dlbatch/prompts/longdoc.py)."""
         spec = self.spec
         base = {"doc_id": doc["doc_id"], "source": doc["source"], "title": doc.get("title"),
                 "pages": doc.get("pages"), "text": doc.get("text") if spec.output.include_text else None}

@@ -8,7 +8,7 @@ Ray's `ray_` prefix (`ray_dlbatch_docs_done_total`, ...). Every metric carries t
 Everything here is a no-op when Ray is not initialised in this process, or when
 `ray.util.metrics` is unavailable, so the runner can call it unconditionally:
 
-    metrics = JobMetrics(spec.name)          # in JobRunner._drive, after start_ray
+    metrics = JobMetrics(spec.name)          # in the driver, after Ray is up
     metrics.docs(ok=1)                       # per committed document (collect_done)
     metrics.docs(failed=1)                   # per dead-lettered document
     metrics.tokens(prompt=n, output=m)       # per committed document
