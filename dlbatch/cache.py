@@ -71,3 +71,15 @@ def user_cache_dir(sub: str | None = None) -> Path:
         except OSError as e:
             errors.append(str(e))
     raise PermissionError("no usable per-user cache directory: " + "; ".join(errors))
+
+
+def publish_dir(tmp: str, dst: str) -> None:
+    """Make the finished folder ``tmp`` (holding a COMPLETE marker) appear as ``dst`` at
+    once; if another process published ``dst`` first, keep theirs (``tmp`` is the caller's
+    to remove)."""
+    open(os.path.join(tmp, "COMPLETE"), "w").close()
+    try:
+        os.rename(tmp, dst)
+    except OSError:
+        if not os.path.exists(os.path.join(dst, "COMPLETE")):
+            raise

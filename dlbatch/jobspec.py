@@ -201,13 +201,44 @@ class OutputSpec(BaseModel):
 class ModelSpec(BaseModel):
     model_config = _STRICT
 
-    name: str = Field("smollm2-135m-instruct", min_length=1)
+    name: str = Field("smollm2-135m-instruct", min_length=1)  # alias, folder, GGUF, URL or Hub id org/name
+    revision: Optional[str] = Field(None, min_length=1)  # a Hub id's branch, tag or commit
+    backend: Literal["dlbatch", "vllm"] = "dlbatch"  # which engine runs the model (dlbatch/backends)
+    engine_args: dict[str, Any] = Field(default_factory=dict)  # the backend's own engine arguments
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     max_model_len: Optional[int] = Field(None, ge=1)  # null: the engine's default (EngineConfig)
     chat: Optional[bool] = None
     system: Optional[str] = None  # system prompt of every task (a task's own `system` wins)
     chat_template: Optional[str] = None  # path to a Jinja chat template file, instead of the model's
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # extra template variables
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> "ModelSpec":
+        if self.revision is not None:
+            from dlbatch.engine.hub import is_hub_id
+
+            if not is_hub_id(self.name) or "@" in self.name:
+                raise ValueError(f"revision {self.revision!r} applies to a Hub id (org/name) only, "
+                                 f"not to {self.name!r}")
+        if self.backend == "dlbatch" and self.engine_args:
+            from dataclasses import fields
+
+            from dlbatch.engine.config import EngineConfig
+
+            own = {"dtype", "device", "max_model_len", "device_share"}  # set by model.* and cluster.*
+            names = {f.name for f in fields(EngineConfig)} - own
+            bad = sorted(set(self.engine_args) - names)
+            if bad:
+                raise ValueError(f"engine_args: unknown argument(s) {', '.join(bad)} of the dlbatch engine; "
+                                 f"it takes {', '.join(sorted(names))}")
+        return self
+
+    @property
+    def ref(self) -> str:
+        """What the engines load: the name, with ``@revision`` for a pinned Hub id."""
+        from dlbatch.engine.hub import ref
+
+        return ref(self.name, self.revision)
 
 
 class TaskOutputSpec(BaseModel):
@@ -440,6 +471,16 @@ class JobSpec(BaseModel):
                 raise ValueError(f"duplicate task name {task.name!r}; task names must be unique")
             seen.add(task.name)
         return tasks
+
+    @model_validator(mode="after")
+    def _check_backend_pools(self) -> "JobSpec":
+        if self.model.backend == "vllm" and self.cluster.colocated is None:
+            raise ValueError(
+                "model.backend vllm runs colocated workers only: set cluster.colocated (e.g. --set "
+                "cluster.colocated.chip=fast). Prefill/decode pools need vLLM's KV connectors (NIXL, P2P NCCL), "
+                "which run on GPUs only and not on its CPU build (docs/backends.md); dlbatch's own engine "
+                "runs PD pools on any chip")
+        return self
 
     def __eq__(self, other: object) -> bool:
         # settings only: the same job loaded from two places is the same job
@@ -741,6 +782,9 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "model.name": spec.model.name,
         "model.dtype": spec.model.dtype,
+        **({"model.revision": spec.model.revision} if spec.model.revision else {}),
+        # set only off the default: older outputs keep their fingerprint
+        **({"model.backend": spec.model.backend} if spec.model.backend != "dlbatch" else {}),
         "model.max_model_len": spec.model.max_model_len,
         "model.chat": spec.model.chat,
         "model.system": spec.model.system,
@@ -773,9 +817,29 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
     return fields
 
 
-def job_fingerprint(spec: JobSpec) -> str:
-    """sha256 (hex) of :func:`fingerprint_fields`; equal specs give equal fingerprints."""
-    canonical = json.dumps(fingerprint_fields(spec), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+# what the job's files hold (not its text): recorded by a run, compared on resume when the
+# stored output has them (outputs written before they were recorded resume as before)
+CONTENT_KEYS = ("model.identity", "model.chat_template_sha256")
+
+
+def content_fields(spec: JobSpec) -> dict[str, Any]:
+    """The model's identity by content (`dlbatch.engine.hub.identity`: a Hub commit, a
+    folder's config/tokenizer/weight headers, a GGUF's header) and the chat template file's
+    sha256: the same names over other weights or another template are another job."""
+    from dlbatch.engine.loader import model_identity
+
+    out: dict[str, Any] = {"model.identity": model_identity(spec.model.ref)}
+    if spec.model.chat_template:
+        with open(spec.model.chat_template, "rb") as f:
+            out["model.chat_template_sha256"] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def job_fingerprint(spec: JobSpec, content: Optional[Mapping[str, Any]] = None) -> str:
+    """sha256 (hex) of :func:`fingerprint_fields` (and the `content_fields` when given);
+    equal specs over equal files give equal fingerprints."""
+    canonical = json.dumps({**fingerprint_fields(spec), **(content or {})}, sort_keys=True, separators=(",", ":"),
+                           ensure_ascii=True)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
@@ -795,12 +859,15 @@ def fingerprint_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str
     return changes
 
 
-def check_resume_compatible(stored_fields: Mapping[str, Any], spec: JobSpec, output: Optional[str] = None) -> None:
+def check_resume_compatible(stored_fields: Mapping[str, Any], spec: JobSpec, output: Optional[str] = None,
+                            content: Optional[Mapping[str, Any]] = None) -> None:
     """Raise :class:`ResumeMismatchError` when ``spec`` differs from the job that wrote the output.
 
-    ``stored_fields`` is the :func:`fingerprint_fields` dict saved with the output.
+    ``stored_fields`` is the :func:`fingerprint_fields` dict saved with the output (with the
+    `content_fields` of its run); ``content`` is this run's, compared where both have a key.
     """
-    changes = fingerprint_diff(stored_fields, fingerprint_fields(spec))
+    now = {**fingerprint_fields(spec), **{k: v for k, v in (content or {}).items() if k in stored_fields}}
+    changes = fingerprint_diff(stored_fields, now)
     if changes:
         where = output or spec.output.path
         raise ResumeMismatchError(

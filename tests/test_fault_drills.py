@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dlbatch.jobspec import load_job
-from tests.helpers.jobs import SHORT, canon, output_rows, run_in_thread, run_job
+from tests.helpers.jobs import SHORT, canon, output_rows, run_job, run_until_inflight
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -50,17 +50,9 @@ def _in_call(pid: int, method: bytes) -> bool:
 
 @pytest.mark.parametrize("role,method", [("prefill", b"prefill"), ("decode", b"decode")])
 def test_pd_worker_kill9_outputs_equal_uninterrupted(ray_local, reference, tmp_path, role, method):
-    from dlbatch.driver.runner import JobRunner
-
     rng = random.Random(_seed())
     out = str(tmp_path / "out")
-    spec = load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, *EXTRA])
-    runner = JobRunner(spec, progress=False)
-    t, box = run_in_thread(runner)
-    deadline = time.time() + 400
-    while time.time() < deadline and not runner.inflight and t.is_alive():
-        time.sleep(0.05)
-    assert runner.inflight, box
+    runner, t, box = run_until_inflight(load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, *EXTRA]), 400)
     pid = ray_local.get(runner.workers[role][0].ping.remote(), timeout=60)["pid"]
     # a seeded moment inside the worker's call: wait until its process title names the call,
     # then up to 0.25 s more

@@ -5,6 +5,7 @@ functions alike: a lazy import is still an arrow), mapped to the part it belongs
 checked against ALLOWED, the picture of docs/DESIGN and the README's tree:
 
     cli -> bench -> driver -> jobspec -> prompts -> engine
+                       \\-> backends -> engine, transfer
                        \\-> router, transfer, solver, report, pipelines, connectors
 
 `engine`, `transfer`, `router`, `solver`, `report` and `connectors` import nothing of the
@@ -32,14 +33,15 @@ ALLOWED = {
     "report": set(),
     "connectors": set(),
     "testing": set(),
+    "backends": {"engine", "transfer", "base"},  # the engine backends behind the workers' one interface
     "prompts": {"engine", "connectors"},
     "jobspec": {"prompts", "engine"},
     "pipelines": {"prompts", "connectors", "jobspec"},
-    "driver": {"jobspec", "prompts", "router", "transfer", "engine", "solver", "report", "connectors",
+    "driver": {"backends", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report", "connectors",
                "pipelines", "testing", "base"},
-    "bench": {"driver", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report", "connectors",
+    "bench": {"backends", "driver", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report", "connectors",
               "pipelines", "base"},
-    "cli": {"bench", "driver", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report",
+    "cli": {"backends", "bench", "driver", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report",
             "connectors", "pipelines", "base"},
 }
 

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
-import pyarrow.parquet as pq
 import pytest
 
 from dlbatch.jobspec import load_job

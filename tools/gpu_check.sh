@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The one GPU check (docs/accelerators.md): `pytest -m gpu` (CUDA op parity, whole-model
 # greedy vs fp32 reference, CUDA graphs on/off, PD on one device) then
-# `dlbatch bench engine --device cuda` on random Llama-3.2-1B-shaped weights, then one
-# summary. Needs nothing from the network; bounded to 8 minutes (pytest 200 s, bench 260 s).
+# `dlbatch bench engine --device cuda` on random Llama-3.2-1B-shaped weights, then (when
+# `vllm` imports) our engine and vLLM side by side on those weights with the roofline
+# (`bench engine --backend vllm`), then one summary. Needs nothing from the network; bounded
+# to 11 minutes (pytest 200 s, bench 260 s, vLLM side by side 200 s).
 # Exit status: 0 all tests passed and the bench ran, 1 otherwise, 3 no CUDA device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +30,14 @@ timeout 260 "$PY" -m dlbatch.cli bench engine --device cuda --model llama-1b-ran
   --repeats 3 --budget-s 40 --json "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 t2=$(date +%s)
+if "$PY" -c "import vllm" >/dev/null 2>&1; then
+  timeout 200 "$PY" -m dlbatch.cli bench engine --backend vllm --device cuda --model llama-1b-random --dtype bfloat16 \
+    --prefill-lens 2048,8192 --decode-batches 1,32,128 --decode-context 1024 --decode-tokens 64 --repeats 3 \
+    --json "$OUT/bench_vllm.json" 2>&1 | tee "$OUT/bench_vllm.log"
+  echo "vLLM side by side: rc ${PIPESTATUS[0]} (table above; $OUT/bench_vllm.json)"
+else
+  echo "vLLM side by side: skipped (vllm does not import in $PY)"
+fi
 
 "$PY" - "$OUT" "$test_rc" "$bench_rc" "$((t1 - t0))" "$((t2 - t1))" <<'PYEOF'
 import json, os, re, sys

@@ -78,6 +78,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = 
     return "\n".join(lines)
 
 
+def targets_table(targets: list[dict], title: str = "target") -> str:
+    """A bench's targets ({"target", "value", "goal", "met"}) as a table."""
+    return table([title, "measured", "goal", "met"],
+                 [[t["target"], "-" if t["value"] is None else f"{t['value']:.3g}", f"{t['goal']:g}",
+                   "not measured" if t["met"] is None else ("yes" if t["met"] else "NO")] for t in targets])
+
+
 def machine_info(device: str = "cpu") -> dict:
     info = {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count()}
     try:
@@ -172,6 +179,22 @@ def run_job(job: str, overrides: list[str]) -> tuple[dict, dict]:
     tbl = OutputStore(spec.output.path).results(columns=["doc_id", "task", "output"])
     outputs = {(r["doc_id"], r["task"]): r["output"] for r in tbl.to_pylist()}
     return report, outputs
+
+
+def sized_overrides(args, job: str, base: list[str]) -> tuple[list[str], object]:
+    """A pipeline bench's job overrides: ``base``, then its --dtype, --max-model-len,
+    --max-tokens (every task) and --set; -> (overrides, the job loaded with them)."""
+    from dlbatch.jobspec import load_job
+
+    out = list(base)
+    if args.dtype:
+        out.append(f"model.dtype={args.dtype}")
+    if args.max_model_len:
+        out.append(f"model.max_model_len={args.max_model_len}")
+    if args.max_tokens:
+        out += [f"tasks.{i}.max_tokens={args.max_tokens}" for i in range(len(load_job(job, base).tasks))]
+    out += list(args.overrides)
+    return out, load_job(job, out)
 
 
 def job_overrides_for_docs(jsonl: str, out: str) -> list[str]:

@@ -42,7 +42,7 @@ import time
 
 from dlbatch.bench.roofline import model_counts, prefill_flops, decode_bytes
 from dlbatch.bench.common import (finish_bench, load_hf_model, machine_info, median, packed_modules, ratio, sync,
-                                  table, time_repeats)
+                                  table, targets_table, time_repeats)
 
 log = logging.getLogger("dlbatch.bench")
 
@@ -79,6 +79,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype ours stores the KV cache in (auto: the compute dtype)")
     p.add_argument("--no-baseline", action="store_true", help="skip transformers (ours and limits only)")
+    p.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
+                   help="vllm: our engine and vLLM side by side on the same weights and device, with the "
+                        "roofline (dlbatch/bench/engine_vllm.py; tools/gpu_check.sh runs it on a GPU)")
     from dlbatch.bench.peers import add_arguments as add_peer_arguments
 
     add_peer_arguments(p)
@@ -307,6 +310,19 @@ def run(args) -> int:
         from dlbatch.bench.peers import run_papers
 
         return run_papers(args)
+    if args.backend == "vllm":
+        from dlbatch.backends.vllm_backend import model_dir_for_vllm
+        from dlbatch.bench import engine_vllm
+
+        args.decode_context = args.decode_context or (128 if args.quick else 1024)
+        args.decode_tokens = args.decode_tokens or (8 if args.quick else 32)
+        tmp = tempfile.mkdtemp(prefix="dlbatch-bench-")
+        name, _ = resolve_models(args.model, tmp)
+        args.model_path = model_dir_for_vllm(name)
+        try:
+            return engine_vllm.run(args)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     import torch
 
     from dlbatch.engine.llm import LLM
@@ -555,8 +571,5 @@ def render(result: dict) -> str:
     lines.append(table(["case (tokens/s)", "ours", "transformers", "ours/theirs", "% roofline", "achieved", "n"],
                        rows))
     lines.append("")
-    lines.append(table(["target (issue 3)", "measured", "goal", "met"],
-                       [[t["target"], "-" if t["value"] is None else f"{t['value']:.3g}", f"{t['goal']:g}",
-                         "not measured" if t["met"] is None else ("yes" if t["met"] else "NO")]
-                        for t in result["targets"]]))
+    lines.append(targets_table(result["targets"], "target (issue 3)"))
     return "\n".join(lines)

@@ -42,8 +42,6 @@ from dlbatch.bench.common import table
 log = logging.getLogger("dlbatch.bench")
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_runner.py")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
 DETECT_TIMEOUT_S = 180
 
 
@@ -116,37 +114,6 @@ def shared_prefixes(prompts: list[dict]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------- model exports
-def export_hf_dir(model: str) -> str:
-    """An HF directory vLLM can load: our loader's converted directory (fp32 safetensors
-    of the dequantised weights, config.json, tokenizer files) plus `architectures` and
-    `torch_dtype` in config.json; the weights are linked, not copied. Made once, next to
-    the loader's cache entry."""
-    from dlbatch.engine.loader import model_dir
-
-    _, src = model_dir(model)
-    dst = src.rstrip("/") + "-hf-export"
-    if os.path.exists(os.path.join(dst, "COMPLETE")):
-        return dst
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    arch = ARCHITECTURES.get(cfg.get("model_type"))
-    if arch is None:
-        raise ValueError(f"no HF architecture name for model_type {cfg.get('model_type')!r}")
-    tmp = tempfile.mkdtemp(prefix=".hf-export-", dir=os.path.dirname(dst))
-    try:
-        for name in os.listdir(src):
-            if name.endswith(".safetensors") or name in ("tokenizer.json", "tokenizer_config.json"):
-                os.symlink(os.path.join(src, name), os.path.join(tmp, name))
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({**cfg, "architectures": cfg.get("architectures") or [arch], "torch_dtype": "float32"}, f)
-        open(os.path.join(tmp, "COMPLETE"), "w").close()
-        shutil.rmtree(dst, ignore_errors=True)
-        os.rename(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dst
-
-
 def export_f32_gguf(model: str) -> str:
     """An F32 copy of a GGUF model (same metadata and tensor names, every tensor
     dequantised to float32 by the code our loader uses), for llama.cpp. Made once."""
@@ -297,7 +264,9 @@ def peer_model(backend: str, model: str) -> tuple[str, str]:
     path = resolve_model(model)
     if os.path.isdir(path):
         return path, "the HF directory"
-    return export_hf_dir(model), "fp32 safetensors of the dequantised weights"
+    from dlbatch.backends.vllm_backend import model_dir_for_vllm
+
+    return model_dir_for_vllm(model), "fp32 safetensors of the dequantised weights"
 
 
 PEER_NAMES = {"vllm": "vLLM-CPU", "llama_cpp": "llama.cpp"}

@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from dlbatch.bench.common import (finish_bench, job_overrides_for_docs, machine_info, ratio, run_job, sample_documents,
-                                  start_bench_ray, table, write_jsonl)
+                                  sized_overrides, start_bench_ray, table, targets_table, write_jsonl)
 
 log = logging.getLogger("dlbatch.bench")
 
@@ -48,6 +48,13 @@ def add_arguments(p) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra job overrides for ours (and the shared fields of the baseline)")
     p.add_argument("--quick", action="store_true", help="1 short document, max_tokens 4: a smoke run")
+    p.add_argument("--backend", choices=["dlbatch", "vllm"], default="dlbatch",
+                   help="vllm: dlbatch on vLLM vs Ray Data LLM on the same vLLM (--peer-python), and dlbatch's "
+                        "own engine beside them (dlbatch/bench/pipeline_vllm.py)")
+    p.add_argument("--peer-python", action="append", default=[], metavar="PATH",
+                   help="--backend vllm: python of a virtualenv with ray[data] and vllm (Ray Data LLM)")
+    p.add_argument("--repeats", type=int, default=1, help="--backend vllm: runs per side (medians printed)")
+    p.add_argument("--peer-timeout", type=int, default=1800, help="--backend vllm: seconds the peer may take")
     p.add_argument("--long", action="store_true",
                    help="the sample papers longer than the context: long_inputs chunk vs truncate (wall time, "
                         "tokens computed, share of each paper reaching the model); --docs papers, --max-model-len")
@@ -210,12 +217,15 @@ def agreement_fp32(spec, docs: list[dict], n_docs: int, max_tokens: int, chars: 
 # ---------------------------------------------------------------------------- run
 def run(args) -> int:
     from dlbatch.bench import limits
-    from dlbatch.jobspec import load_job
 
     if args.long:
         from dlbatch.bench.long_inputs import run_long
 
         return run_long(args)
+    if args.backend == "vllm":
+        from dlbatch.bench.pipeline_vllm import run_vllm
+
+        return run_vllm(args)
     if args.quick:
         args.docs = min(args.docs, 1)
         args.max_tokens = args.max_tokens or 4
@@ -228,16 +238,8 @@ def run(args) -> int:
     try:
         docs = sample_documents(args.docs, args.max_chars)
         jsonl = write_jsonl(os.path.join(tmp, "docs.jsonl"), docs)
-        overrides = job_overrides_for_docs(jsonl, os.path.join(tmp, "out")) + ["sampling.temperature=0.0"]
-        base_spec = load_job(args.job, overrides)
-        if args.dtype:
-            overrides.append(f"model.dtype={args.dtype}")
-        if args.max_model_len:
-            overrides.append(f"model.max_model_len={args.max_model_len}")
-        if args.max_tokens:
-            overrides += [f"tasks.{i}.max_tokens={args.max_tokens}" for i in range(len(base_spec.tasks))]
-        overrides += list(args.overrides)
-        spec = load_job(args.job, overrides)
+        overrides, spec = sized_overrides(args, args.job, job_overrides_for_docs(jsonl, os.path.join(tmp, "out"))
+                                          + ["sampling.temperature=0.0"])
         print(f"dlbatch bench pipeline: {len(docs)} documents x {len(spec.tasks)} tasks, model {spec.model.name} "
               f"{spec.model.dtype}, max_tokens {[t.max_tokens for t in spec.tasks]}")
         from dlbatch.engine.device import compute_dtype
@@ -304,8 +306,5 @@ def render(result: dict) -> str:
     lines.append(f"fp32 greedy token ids identical (ours vs transformers, max_tokens {a['max_tokens']}): "
                  f"{a['identical']}/{a['requests']}")
     lines.append("")
-    lines.append(table(["target (issue 5)", "measured", "goal", "met"],
-                       [[t["target"], "-" if t["value"] is None else f"{t['value']:.3g}", f"{t['goal']:g}",
-                         "not measured" if t["met"] is None else ("yes" if t["met"] else "NO")]
-                        for t in result["targets"]]))
+    lines.append(targets_table(result["targets"], "target (issue 5)"))
     return "\n".join(lines)

@@ -203,7 +203,7 @@ class DispatchLoop:
         from dlbatch.engine.loader import load_tokenizer
         from dlbatch.prompts.map_reduce import MapReduce
 
-        return MapReduce(spec, load_tokenizer(spec.model.name))
+        return MapReduce(spec, load_tokenizer(spec.model.ref))
 
     # ---- figures for the progress line and the report ----------------------------------------------
     def _remaining_tokens(self) -> int | None:

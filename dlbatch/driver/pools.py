@@ -37,10 +37,11 @@ def engine_config(spec, pool):
     least 512 and at most 4096 tokens a step."""
     from dlbatch.engine.config import EngineConfig
 
+    own = spec.model.engine_args if spec.model.backend == "dlbatch" else {}
+    base = dict(kv_cache_memory=pool.kv_cache_memory,
+                max_num_batched_tokens=max(512, min(spec.batching.max_batch_tokens, 4096)))
     return EngineConfig(dtype=spec.model.dtype, device=pool.device, max_model_len=spec.model.max_model_len,
-                        kv_cache_memory=pool.kv_cache_memory,
-                        max_num_batched_tokens=max(512, min(spec.batching.max_batch_tokens, 4096)),
-                        device_share=pool.num_gpus if 0 < pool.num_gpus < 1 else 1.0)
+                        device_share=pool.num_gpus if 0 < pool.num_gpus < 1 else 1.0, **{**base, **own})
 
 
 def pools_of(spec, plan: dict | None) -> dict:
@@ -57,6 +58,9 @@ def pools_of(spec, plan: dict | None) -> dict:
         out[p["role"]] = PoolSpec(chip=p.get("chip_resource") or base.chip, replicas=int(p["replicas"]),
                                   device=base.device, num_cpus=base.num_cpus, num_gpus=base.num_gpus,
                                   kv_cache_memory=base.kv_cache_memory)
+    if spec.model.backend != "dlbatch" and ("prefill" in out or "decode" in out):
+        raise JobFailed(f"plan {plan.get('pools')} has prefill/decode pools, which model.backend "
+                        f"{spec.model.backend} cannot run (colocated only; docs/backends.md)")
     if "colocated" in out and ("prefill" in out or "decode" in out):
         raise JobFailed(f"plans that mix colocated and PD pools are run as PD only on this version: {plan.get('pools')}")
     return out
@@ -96,7 +100,7 @@ class WorkerPools:
             except ValueError as e:
                 raise JobFailed(str(e)) from None
         startup.start("model_cache")
-        model_dir(spec.model.name)  # convert a GGUF once, before workers race for it
+        model_dir(spec.model.ref)  # download a Hub id or convert a GGUF once, before workers race for it
         startup.end("model_cache")
         startup.start("ray_start")
         self._ray_started = start_ray(spec.cluster.address, dict(chips))
@@ -107,16 +111,19 @@ class WorkerPools:
             self.kv_via, why = self._choose_transport(probe=self._probe_devices)
             log.info("kv_transport auto -> %s (%s)", self.kv_via, why)
         use_rdt = self.pd and self.kv_via == "rdt"
-        # the driver's DLBATCH_* settings (DLBATCH_NATIVE, DLBATCH_MALLOPT, ...) hold for its workers too
-        forwarded = {k: v for k, v in os.environ.items() if k.startswith("DLBATCH_")}
+        # the driver's DLBATCH_* settings (DLBATCH_NATIVE, DLBATCH_MALLOPT, ...), vLLM's and the Hub's
+        # endpoint/offline switches hold for its workers too (paths and tokens stay each node's own)
+        forwarded = {k: v for k, v in os.environ.items()
+                     if k.startswith(("DLBATCH_", "VLLM_")) or k in ("HF_HUB_OFFLINE", "HF_ENDPOINT")}
         startup.start("workers_ready")
         for role, pool in pools.items():
             cls = make_worker_class(role, tensor_transport=use_rdt)
             threads = max(1, int(round(pool.num_cpus))) if pool.device == "cpu" else 1
             if pool.device == "cpu" and len(pools) == 1:
                 threads = max(threads, min(2, os.cpu_count() or 1))
-            wspec = WorkerSpec(model=spec.model.name, engine=engine_config(spec, pool), chat=spec.model.chat,
-                               num_threads=threads, kv_transport=self.kv_via)
+            wspec = WorkerSpec(model=spec.model.ref, engine=engine_config(spec, pool), chat=spec.model.chat,
+                               num_threads=threads, kv_transport=self.kv_via, backend=spec.model.backend,
+                               engine_args=dict(spec.model.engine_args) if spec.model.backend != "dlbatch" else {})
             opts = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources={chip_resource(pool.chip): 1},
                         max_restarts=MAX_RESTARTS, max_task_retries=0)
             if forwarded:

@@ -64,20 +64,23 @@ class JobRunner:
     def run(self) -> dict:
         from connectors import list_inputs
         from connectors.io_retry import retry_count
+        from dlbatch.backends import check_job
         from dlbatch.driver.output_store import OutputStore
-        from dlbatch.jobspec import check_resume_compatible, fingerprint_fields, job_fingerprint
+        from dlbatch.jobspec import check_resume_compatible, content_fields, fingerprint_fields, job_fingerprint
         from dlbatch.report.run import RunReport
 
         spec = self.spec
         t_start = time.time()
         io_retries_start = retry_count()
+        check_job(spec)  # the backend runs here, takes its engine_args and the model's architecture
         store = OutputStore(spec.output.path, dict(spec.output.storage_options))
         if self.fresh:
             n = store.clear()
             log.info("--fresh: removed %d files of a previous run under %s", n, spec.output.path)
+        content = content_fields(spec)
         manifest = store.read_json("_manifest.json")
         if manifest is not None:
-            check_resume_compatible(manifest.get("fields", {}), spec, output=spec.output.path)
+            check_resume_compatible(manifest.get("fields", {}), spec, output=spec.output.path, content=content)
         report = RunReport(spec, self.plan, t_start)
         report.startup.start("list_inputs")
         files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
@@ -94,8 +97,9 @@ class JobRunner:
                   f"{len(prog['docs_failed'])} failed; nothing to do (use --fresh to start over)", file=sys.stderr)
             return {"noop": True, "docs_ok": len(done_ok), "docs_failed": len(prog["docs_failed"]),
                     "rows_written": prog["rows"]}
-        store.write_json("_manifest.json", {"name": spec.name, "fingerprint": job_fingerprint(spec),
-                                            "fields": fingerprint_fields(spec), "inputs": sig, "complete": False,
+        store.write_json("_manifest.json", {"name": spec.name, "fingerprint": job_fingerprint(spec, content),
+                                            "fields": {**fingerprint_fields(spec), **content}, "inputs": sig,
+                                            "complete": False,
                                             "started": t_start})
         todo = [f for f in files if f not in prog["sources_done"]] if by_file else files
         report.already_done, report.already_failed = len(done_ok), len(prog["docs_failed"])

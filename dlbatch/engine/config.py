@@ -79,8 +79,9 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
-                f"{source}: model_type {mt!r} (architectures {archs}) is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"{source}: model_type {mt!r} (architectures {archs}) is not run by dlbatch's engine "
+                f"(it runs {', '.join(SUPPORTED_MODEL_TYPES)}); model.backend: vllm runs it if vLLM does "
+                "(docs/backends.md)"
             )
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(cfg.get(key), int) or cfg[key] <= 0:

@@ -3,8 +3,9 @@
 A decode step's launches depend only on the batch size once its metadata lives in fixed
 buffers: block tables padded to the longest possible context, lengths, slots. So each
 bucket of batch sizes (1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``) is
-captured once, lazily, the first time a step of that size comes, and replayed after
-copying the step's inputs into the persistent buffers. Rows past the real batch are
+captured once, at the engine's start-up (`capture_all`, largest first so smaller graphs
+reuse its memory pool), and replayed after copying the step's inputs into the persistent
+buffers. Rows past the real batch are
 padding: length 0 (attention writes zeros), slot -1 (their KV is not stored), token 0.
 
 Only pure-decode steps with no layer streaming take this path, and only when the
@@ -91,6 +92,18 @@ class GraphedModel:
         self.pool = graph.pool()
         log.info("captured a CUDA graph for decode batch %d", b)
         return graph, logits
+
+    def capture_all(self, kv_cache: torch.Tensor) -> None:
+        """Capture every bucket's graph now (largest first: the smaller ones fit in its pool)."""
+        import time
+
+        t0 = time.perf_counter()
+        self.kv_cache = kv_cache
+        for b in sorted(self.buckets, reverse=True):
+            if b not in self.graphs:
+                self.graphs[b] = self._capture(b, kv_cache)
+        log.info("captured %d CUDA graphs (decode batches %s) in %.1f s", len(self.graphs), self.buckets,
+                 time.perf_counter() - t0)
 
     def eligible(self, meta, batch: int, kv_cache) -> bool:
         return (meta.num_prefill_tokens == 0 and meta.on_layer is None and batch > 0

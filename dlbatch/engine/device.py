@@ -79,8 +79,9 @@ def kv_cache_bytes(setting: int | float | None, free: int, total: int, own: int 
     """Bytes of KV cache for a worker. ``setting``: int bytes, float in (0, 1] a fraction
     of the ``free`` memory (device or host) seen at start, None the device default: the
     worker's ``share`` of the device (a pool's ``num_gpus`` below 1: two workers at 0.5
-    each fit) times DEFAULT_CUDA_KV_FRACTION of ``total``, less ``own`` (memory the worker
-    already allocated), never more than ``free``."""
+    each fit) times DEFAULT_CUDA_KV_FRACTION of ``total``, less ``own`` (what this engine
+    holds itself: its weights and its start-up forward's activation peak, engine/profile.py;
+    not what other engines of the process hold), never more than 95 % of ``free``."""
     if setting is None:
         share = min(1.0, share) if share > 0 else 1.0
         return max(0, min(int(free * 0.95), int(total * DEFAULT_CUDA_KV_FRACTION * share) - own))

@@ -52,10 +52,18 @@ class LLMEngine:
             keep_freed_memory()
         self.compute_dtype = compute_dtype(config.dtype, device.type, allow_upcast=config.allow_upcast)
         dtype = torch_dtype(self.compute_dtype)
+        mem_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.ops = get_ops(device, op_overrides)
         self.model = Transformer(self.mconf, loaded.weights, self.ops, dtype, device, config.max_model_len)
         self.kv_dtype = dtype if config.kv_cache_dtype == "auto" else torch_dtype(config.kv_cache_dtype)
-        self.num_blocks = self._num_blocks(self.kv_dtype, device)
+        self.activation_peak = 0
+        if device.type == "cuda":  # engine/profile.py: activations measured, kernels compiled (or replaced)
+            from dlbatch.engine.profile import start_up_forward
+
+            self.activation_peak, self.ops, self.op_overrides = start_up_forward(
+                self.model, self.mconf, config, self.kv_dtype, device, op_overrides)
+        own = (torch.cuda.memory_allocated(device) - mem_before if device.type == "cuda" else 0) + self.activation_peak
+        self.num_blocks = self._num_blocks(self.kv_dtype, device, own)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, self.mconf, config, self.num_blocks, self.kv_dtype)
@@ -65,6 +73,7 @@ class LLMEngine:
             if graphs_supported(self.ops):
                 self.runner.model = GraphedModel(self.model, config.block_size, config.max_model_len,
                                                  config.max_num_seqs)
+                self.runner.model.capture_all(self.runner.kv_cache)  # at start-up, not on the first steps
             else:
                 log.info("decode runs eagerly: CUDA graphs need the CUDA ops (ops: %s)", self.ops.describe())
         self.scheduler.on_admit = self._on_admit
@@ -77,7 +86,10 @@ class LLMEngine:
         self.stats = {"steps": 0, "prompt_tokens": 0, "prefill_tokens_computed": 0, "output_tokens": 0,
                       "cached_tokens": 0, "busy_s": 0.0}
 
-    def _num_blocks(self, dtype, device) -> int:
+    def _num_blocks(self, dtype, device, own: int = 0) -> int:
+        """KV blocks of this engine. On CUDA its share of the device less what it holds itself
+        (``own``: its weights and its activations' peak), never more than is free: a second
+        engine in the process gets its own share, not the first one's leftovers."""
         c = self.config
         per_block = ModelRunner.bytes_per_block(self.mconf, c.block_size, dtype)
         if c.num_kv_blocks is not None:
@@ -86,8 +98,7 @@ class LLMEngine:
 
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            n = kv_cache_bytes(c.kv_cache_memory, free, total, torch.cuda.memory_allocated(device),
-                               c.device_share) // per_block
+            n = kv_cache_bytes(c.kv_cache_memory, free, total, own, c.device_share) // per_block
         elif c.kv_cache_memory is not None:
             free = _host_available_bytes() if isinstance(c.kv_cache_memory, float) else 0
             n = kv_cache_bytes(c.kv_cache_memory, free, free) // per_block

@@ -35,9 +35,18 @@ class LoadedModel:
 
 
 def resolve_model(name: str) -> str:
-    """Alias -> file path; local paths and URLs pass through after an existence check."""
+    """Alias -> file path; Hub id (``org/name[@revision]``) -> its snapshot folder in the
+    Hugging Face cache (dlbatch/engine/hub.py); local paths and URLs pass through after an
+    existence check."""
     if not isinstance(name, str) or not name.strip():
         raise ModelNotFoundError(f"model name must be a non-empty string, got {name!r}")
+    from dlbatch.engine import hub
+
+    if name not in ALIASES and hub.is_hub_id(name):
+        try:
+            return hub.snapshot(name)
+        except hub.HubError as e:
+            raise ModelNotFoundError(str(e)) from None
     if name in ALIASES:
         pkg, fname = ALIASES[name]
         import importlib.util
@@ -57,9 +66,17 @@ def resolve_model(name: str) -> str:
     fs, p = fsspec.core.url_to_fs(name)
     if not fs.exists(p):
         raise ModelNotFoundError(
-            f"unknown model {name!r}: not an alias ({', '.join(sorted(ALIASES))}) and no such file or directory"
+            f"unknown model {name!r}: not an alias ({', '.join(sorted(ALIASES))}), not a Hub id (org/name) "
+            "and no such file or directory"
         )
     return name
+
+
+def model_identity(name: str, storage_options: dict | None = None) -> str:
+    """Model ``name`` by content (a Hub commit, a folder's files, a GGUF's header): hub.identity."""
+    from dlbatch.engine import hub
+
+    return hub.identity(name, resolve_model(name), storage_options)
 
 
 def load_model(name: str, storage_options: dict | None = None) -> LoadedModel:
@@ -96,11 +113,26 @@ def model_dir(name: str, storage_options: dict | None = None) -> tuple[object, s
     return fsspec.filesystem("file"), cache_dir
 
 
-def load_model_config(name: str, storage_options: dict | None = None) -> ModelConfig:
-    """Only the model's shape (config.json): no weights are read."""
+def load_hf_config(name: str, storage_options: dict | None = None) -> dict:
+    """The model's config.json as it is, whatever its architecture: no weights are read."""
     fs, root = model_dir(name, storage_options)
-    cfg = json.loads(fs.cat_file(root.rstrip("/") + "/config.json"))
-    return ModelConfig.from_hf(cfg, source=f"{name}/config.json")
+    return json.loads(fs.cat_file(root.rstrip("/") + "/config.json"))
+
+
+def load_model_config(name: str, storage_options: dict | None = None) -> ModelConfig:
+    """Only the model's shape (config.json), for our engine (which refuses an architecture
+    it does not run, naming the backend that does): no weights are read."""
+    return ModelConfig.from_hf(load_hf_config(name, storage_options), source=f"{name}/config.json")
+
+
+def context_length(cfg: dict) -> int:
+    """The longest sequence a model takes by its config.json (any architecture; a text
+    config nested in a multimodal one counts)."""
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(text.get(key), int) and text[key] > 0:
+            return text[key]
+    return 8192
 
 
 def load_tokenizer(name: str, storage_options: dict | None = None) -> Tokenizer:
@@ -110,11 +142,16 @@ def load_tokenizer(name: str, storage_options: dict | None = None) -> Tokenizer:
     def join(f):
         return root.rstrip("/") + "/" + f
 
-    config = load_model_config(name, storage_options)
+    cfg = load_hf_config(name, storage_options)
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    if fs.exists(join("generation_config.json")):
+        g = json.loads(fs.cat_file(join("generation_config.json"))).get("eos_token_id")
+        eos_ids = tuple(dict.fromkeys(eos_ids + (tuple(g) if isinstance(g, list) else ((g,) if isinstance(g, int) else ()))))
     tok_cfg = json.loads(fs.cat_file(join("tokenizer_config.json"))) if fs.exists(join("tokenizer_config.json")) else {}
     chat_file = fs.cat_file(join("chat_template.jinja")).decode() if fs.exists(join("chat_template.jinja")) else None
     return tokenizer_from_hf_files(fs.cat_file(join("tokenizer.json")).decode(), tok_cfg, chat_file,
-                                   config.eos_token_ids, config.bos_token_id)
+                                   eos_ids, cfg.get("bos_token_id"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -320,12 +357,9 @@ def _convert_gguf(name: str, fs, p: str, cache_dir: str) -> None:
                        "chat_template": tokenizer.chat_template, "add_bos_token": tokenizer.add_bos,
                        "eos_token_ids": list(tokenizer.eos_token_ids), "source": p}, f)
         save_file(weights, os.path.join(tmp, "model.safetensors"))
-        open(os.path.join(tmp, "COMPLETE"), "w").close()
-        try:
-            os.rename(tmp, cache_dir)
-        except OSError:  # another process converted it first
-            if not os.path.exists(os.path.join(cache_dir, "COMPLETE")):
-                raise
+        from dlbatch.cache import publish_dir
+
+        publish_dir(tmp, cache_dir)  # another process may have converted it first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

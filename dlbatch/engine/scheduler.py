@@ -201,6 +201,15 @@ class Scheduler:
         for seq in seqs:
             self.bm.free_seq(seq)
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop these sequences (waiting or running); a running one's blocks are freed."""
+        ids = {id(s) for s in seqs}
+        for s in self.running:
+            if id(s) in ids:
+                self.bm.free_seq(s)
+        self.running = [s for s in self.running if id(s) not in ids]
+        self.waiting = type(self.waiting)(s for s in self.waiting if id(s) not in ids)
+
     def abort_all(self) -> list[Sequence]:
         seqs = list(self.running) + list(self.waiting)
         for s in self.running:

@@ -128,7 +128,7 @@ class RunReport:
                 prefill_computed += sum(s.get("prefill_tokens_computed", 0) for s in sts)
                 cached += sum(s.get("prefix_hit_tokens", 0) for s in sts)
         report = {
-            "job": self.spec.name, "docs_total": self.already_done + self.already_failed + new_ok + new_failed,
+            "job": self.spec.name, "backend": self.spec.model.backend, "docs_total": self.already_done + self.already_failed + new_ok + new_failed,
             "docs_ok": self.already_done + new_ok, "docs_failed": self.already_failed + new_failed,
             "docs_this_run": new_ok + new_failed, "rows_written": tally.rows_written if tally else 0,
             "prompt_tokens": prompt_tokens, "prefill_tokens_computed": prefill_computed,

@@ -50,6 +50,20 @@ def write_jsonl(path, docs):
     return str(path)
 
 
+def run_until_inflight(spec, timeout=600):
+    """A `JobRunner` of `spec` running in a thread, once a batch is in flight (a worker is
+    computing); -> (runner, thread, box) as `run_in_thread`."""
+    from dlbatch.driver.runner import JobRunner
+
+    runner = JobRunner(spec, progress=False)
+    t, box = run_in_thread(runner)
+    deadline = time.time() + timeout
+    while time.time() < deadline and not runner.inflight and t.is_alive():
+        time.sleep(0.05)
+    assert runner.inflight, box
+    return runner, t, box
+
+
 def run_in_thread(runner):
     """Start `runner.run()` in a daemon thread; returns (thread, box) where box gets
     "report" or "error"."""

@@ -16,6 +16,12 @@ ARCHS = {
     "mistral": ("MistralConfig", {"sliding_window": 24, "tie_word_embeddings": False}),
     "smollm": ("LlamaConfig", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
 }
+# architectures our engine does not run; vLLM does (tests/test_backend_vllm.py)
+OTHER_ARCHS = {
+    # its sliding window past the context: the local layers attend as the global ones
+    "gemma2": ("Gemma2Config", {"head_dim": 32, "tie_word_embeddings": True, "sliding_window": 1024,
+                                "query_pre_attn_scalar": 32}),
+}
 
 VOCAB = 384
 
@@ -42,7 +48,7 @@ def make_tiny_model(arch: str, path: str, seed: int = 0, overrides: dict | None 
     import torch
     import transformers
 
-    cls_name, extra = ARCHS[arch]
+    cls_name, extra = {**ARCHS, **OTHER_ARCHS}[arch]
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               rms_norm_eps=1e-6, initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0)

