@@ -222,10 +222,6 @@ def run(args) -> int:
         from dlbatch.bench.long_inputs import run_long
 
         return run_long(args)
-    if args.backend == "vllm":
-        from dlbatch.bench.pipeline_vllm import run_vllm
-
-        return run_vllm(args)
     if args.quick:
         args.docs = min(args.docs, 1)
         args.max_tokens = args.max_tokens or 4
@@ -233,6 +229,10 @@ def run(args) -> int:
         args.agree_docs = min(args.agree_docs, 1)
         args.agree_tokens = min(args.agree_tokens, 4)
         args.agree_chars = min(args.agree_chars, 600)
+    if args.backend == "vllm":
+        from dlbatch.bench.pipeline_vllm import run_vllm
+
+        return run_vllm(args)
     tmp = tempfile.mkdtemp(prefix="dlbatch-bench-pipeline-")
     result: dict = {"bench": "pipeline", "args": dict(vars(args)), "machine": machine_info()}
     try:

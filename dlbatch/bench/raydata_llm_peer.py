@@ -25,7 +25,11 @@ def run(req: dict) -> dict:
     import vllm
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    ray.init(num_cpus=req["num_cpus"], include_dashboard=False, log_to_driver=False,
+    # Ray Data LLM's chat-template and tokenize stages each keep an actor holding one logical
+    # CPU; on a 2-core machine the vLLM stage's actor would then wait forever for its CPU.
+    # Logical CPUs are scheduling tokens: four more let every stage start, while vLLM's
+    # threads stay bound to the real cores by VLLM_CPU_OMP_THREADS_BIND.
+    ray.init(num_cpus=req["num_cpus"] + 4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": req.get("env", {})})
     tasks = req["tasks"]
 
@@ -38,6 +42,8 @@ def run(req: dict) -> dict:
         engine_kwargs={"dtype": req["dtype"], "max_model_len": req["max_model_len"], "enable_prefix_caching": True,
                        **req.get("engine_kwargs", {})},
         concurrency=1, batch_size=req["batch_size"],
+        # its Prometheus export needs Ray Serve, which `ray[data]` does not install
+        log_engine_metrics=False,
         placement_group_config={"bundles": [{"CPU": 1}]},
         runtime_env={"env_vars": req.get("env", {})})
     processor = build_processor(
