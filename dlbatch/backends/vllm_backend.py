@@ -57,7 +57,10 @@ def engine_arg_names() -> set[str]:
 
 
 def check_engine_args(args: dict) -> None:
-    """Unknown names are an error that names them (and says where the valid ones are)."""
+    """Unknown names are an error that names them (and says where the valid ones are).
+    vLLM is imported (seconds) only when there are names to check."""
+    if not args:
+        return
     reserved = sorted({"model", "tokenizer"} & set(args))
     if reserved:
         raise ValueError(f"model.engine_args: {', '.join(reserved)} come from model.name, not engine_args")

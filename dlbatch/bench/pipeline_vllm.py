@@ -87,6 +87,20 @@ def _run_peer(python: str, req: dict, tmp: str, timeout_s: int) -> dict:
     return res
 
 
+def fit_documents(docs: list[dict], model: str, budget: int) -> int:
+    """Cut each document's text to ``budget`` tokens of the model's tokenizer, in place; ->
+    how many were cut. Ray Data LLM has no long-input policy (a prompt over
+    ``max_model_len`` fails the dataset), so every side gets documents that fit."""
+    from dlbatch.engine.loader import load_tokenizer
+
+    tok, cut = load_tokenizer(model), 0
+    for d in docs:
+        ids = tok.encode(d["text"], add_special_tokens=False)
+        if len(ids) > budget:
+            d["text"], cut = tok.decode(ids[:budget]), cut + 1
+    return cut
+
+
 def peer_usable(python: str | None) -> str | None:
     """Why the peer column is skipped, or None."""
     if not python:
@@ -121,16 +135,21 @@ def run_vllm(args) -> int:
         return 2
     tmp = tempfile.mkdtemp(prefix="dlbatch-bench-vllm-")
     docs = sample_documents(args.docs, args.max_chars)
-    jsonl = write_jsonl(os.path.join(tmp, "docs.jsonl"), docs)
+    jsonl = os.path.join(tmp, "docs.jsonl")
     # each side sets its own output.path (the last --set wins)
     common, spec = sized_overrides(args, args.job, job_overrides_for_docs(jsonl, os.path.join(tmp, "out"))
                                    + ["sampling.temperature=0.0"])
+    mml = spec.model.max_model_len or 4096
+    if spec.model.max_model_len is None:  # one context length on every side
+        common.append(f"model.max_model_len={mml}")
+    # room for the longest task's answer and the chat template around the paper
+    cut = fit_documents(docs, spec.model.ref, mml - max(t.max_tokens for t in spec.tasks) - 128)
+    write_jsonl(jsonl, docs)
     vllm_sets = common + ["model.backend=vllm", "cluster.colocated.chip=fast",
                           f"cluster.colocated.num_cpus={os.cpu_count() or 1}"]
-    mml = spec.model.max_model_len or 4096
     print(f"dlbatch bench pipeline --backend vllm: {len(docs)} documents x {len(spec.tasks)} tasks, model "
           f"{spec.model.name} {spec.model.dtype}, max_tokens {[t.max_tokens for t in spec.tasks]}, "
-          f"{args.repeats} repeat(s)", flush=True)
+          f"{args.repeats} repeat(s); {cut} document(s) cut to fit max_model_len", flush=True)
     result: dict = {"bench": "pipeline_vllm", "args": {k: v for k, v in vars(args).items() if k != "func"},
                     "machine": machine_info()}
     result["limits"] = limits.measure(sorted({spec.model.dtype}), "cpu", quick=args.quick)

@@ -66,7 +66,7 @@ def main() -> int:
     try:
         res, rc = run(req), 0
     except Exception as e:  # noqa: BLE001 - reported to the bench, which prints the column as failed
-        res, rc = {"error": f"{type(e).__name__}: {e}"[:2000]}, 1
+        res, rc = {"error": f"{type(e).__name__}: {e}"[-2000:]}, 1
     with open(sys.argv[2], "w") as f:
         json.dump(res, f)
     return rc
