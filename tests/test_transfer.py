@@ -404,6 +404,49 @@ def test_sweep_stale_segments():
     assert handle.name not in S.list_segments()
 
 
+def _dead_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_sweep_leaves_another_users_segment_and_does_not_fail(tmp_path):
+    """A file planted under another owner (any local user can) is neither removed nor fatal."""
+    path = os.path.join(S.SHM_DIR, f"{S.PREFIX}{_dead_pid()}_planted")
+    with open(path, "wb") as f:
+        f.write(b"x")
+    try:
+        if os.getuid() == 0:
+            os.chown(path, 4242, -1)
+        if os.stat(path).st_uid == os.getuid():
+            pytest.skip("needs root to give a file another owner")
+        assert os.path.basename(path) not in S.sweep_stale_segments()
+        assert os.path.exists(path)
+    finally:
+        os.unlink(path)
+
+
+def test_sweep_skips_a_segment_it_cannot_remove(monkeypatch):
+    name = f"{S.PREFIX}{_dead_pid()}_locked"
+    path = os.path.join(S.SHM_DIR, name)
+    open(path, "wb").close()
+    real_unlink = os.unlink
+
+    def refuse(p, *a, **k):
+        if p == path:
+            raise PermissionError(1, "Operation not permitted", p)
+        return real_unlink(p, *a, **k)
+
+    try:
+        monkeypatch.setattr(os, "unlink", refuse)
+        assert name not in S.sweep_stale_segments()  # logged and left, not raised
+    finally:
+        monkeypatch.undo()
+        real_unlink(path)
+
+
 # ------------------------------------------------------------------ get_transport
 def test_get_transport_choices():
     with pytest.raises(ValueError, match="'carrier_pigeon'"):

@@ -41,6 +41,7 @@ and manage the lifetime explicitly as above.
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import multiprocessing.util
 import os
@@ -81,6 +82,7 @@ from dlbatch.transfer.payload import (
 
 PREFIX = "dlkv_"
 SHM_DIR = "/dev/shm"
+log = logging.getLogger(__name__)
 
 
 def _untrack(shm: shared_memory.SharedMemory) -> None:
@@ -604,17 +606,24 @@ def list_segments() -> list[str]:
 
 
 def sweep_stale_segments() -> list[str]:
-    """Unlink dlkv segments whose creator pid no longer exists; returns their names."""
-    removed = []
+    """Unlink this user's dlkv segments whose creator pid no longer exists; returns their
+    names. Another user's segments are never touched (one cannot unlink them from the
+    sticky /dev/shm anyway, and a file planted there must not fail a job); a segment that
+    vanishes or cannot be removed is skipped with a log line, never raised."""
+    removed, uid = [], os.getuid()
     for name in list_segments():
         try:
             pid = int(name[len(PREFIX) :].split("_", 1)[0])
         except ValueError:
             continue
-        if not _pid_alive(pid):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid != uid or _pid_alive(pid):
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("shm sweep: left %s (%s)", path, e)
     return removed
