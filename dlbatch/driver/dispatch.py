@@ -20,7 +20,11 @@ Objects and their invariants:
 - `InflightTable`: batch id -> `Batch` (rows, the duplicates riding on them, workers,
   the failure site, whether it is a suspect's solo run).
 - `Workers`: per (role, index) worker: ok / unhealthy / dead, its epoch (moves on when it
-  comes back after a failure), failure streak, hold-back, reservation for a suspect.
+  comes back after a failure), failure streak, hold-back, reservation for a suspect; which
+  worker takes a batch now (`pick`) and what a failed batch says of its workers (`blame`).
+- `Blame`: what a lost batch says of its documents: the retry queue, suspects, charged
+  attempts. `Isolations`: suspects waiting to run alone and the workers reserved for them.
+- `Outcomes`: completed documents, dead letters and task error rows, until the owner takes them.
 - `RetryPolicy` (dlbatch.driver.retry_policy): blame. A failed batch's requests go back to the
   front of the queue, on another worker when there is one; the failure is the worker's.
   A document in failures at two different sites is a suspect: it is run alone on a
@@ -195,11 +199,13 @@ class WorkerState:
 
 
 class Workers:
-    """Health and reservations of every worker, by (role, index)."""
+    """Health, load and reservations of every worker, by (role, index): which worker may
+    take a batch now, and what a failed or returned batch says about its workers."""
 
-    def __init__(self, counts: dict[str, int]):
+    def __init__(self, counts: dict[str, int], inflight: InflightTable):
         self.by_key = {(role, i): WorkerState((role, i)) for role, n in counts.items() for i in range(n)}
         self.counts = dict(counts)
+        self.inflight = inflight
 
     def __getitem__(self, key) -> WorkerState:
         return self.by_key[key]
@@ -210,6 +216,57 @@ class Workers:
     def live(self, role: str) -> list[WorkerState]:
         return [w for w in self.of(role) if w.state != "dead"]
 
+    def usable(self, key: WorkerKey, now: float) -> bool:
+        w = self.by_key[key]
+        return (w.state == "ok" and w.reserved_for is None and now >= w.hold_until
+                and not (w.probation and self.inflight.count(key) > 0))
+
+    def pick(self, role: str, now: float, avoid=(), prefer: int | None = None) -> WorkerKey | None:
+        """A usable worker of `role`: `prefer` if usable, else one not in `avoid`, least busy."""
+        usable = [w.key for w in self.of(role) if self.usable(w.key, now)]
+        if not usable:
+            return None
+        if prefer is not None and (role, prefer) in usable and (role, prefer) not in avoid:
+            return (role, prefer)
+        load = (lambda k: self.by_key[k].load) if role == "decode" else self.inflight.count
+        return min(usable, key=lambda k: (k in avoid, load(k), k[1]))
+
+    def succeeded(self, b: Batch) -> None:
+        """A batch returned: its workers' incarnations that ran it are off their streak."""
+        for k in b.workers:
+            w = self.by_key[k]
+            if w.epoch == next(e for r, i, e in b.site if (r, i) == k):
+                w.streak, w.probation = 0, False
+
+    def blame(self, b: Batch, now: float) -> None:
+        """A batch's call failed: each of its workers (in the incarnation that ran it) is
+        unhealthy, and its streak grows once per failure site."""
+        for role, i, epoch in b.site:
+            w = self.by_key[(role, i)]
+            if w.state == "dead" or w.epoch != epoch:
+                continue  # a late failure of an earlier incarnation: already counted
+            if w.failed_epoch != epoch:
+                w.failed_epoch, w.streak = epoch, w.streak + 1
+                w.failures += 1
+            if w.state == "ok":
+                w.state, w.since = "unhealthy", now
+
+    def back(self, key: WorkerKey, now: float, policy: RetryPolicy) -> None:
+        """The worker answers again (restarted or not): a new epoch; held back if it keeps failing."""
+        w = self.by_key[key]
+        if w.state != "unhealthy":
+            return
+        w.state, w.epoch = "ok", w.epoch + 1
+        w.hold_until = now + policy.hold_s(w.streak)
+        w.probation = policy.on_probation(w.streak)
+
+    def unhealthy(self) -> list[WorkerState]:
+        return [w for w in self.by_key.values() if w.state == "unhealthy"]
+
+    def dead_role(self) -> str | None:
+        """A role whose every worker is dead."""
+        return next((role for role in self.counts if not self.live(role)), None)
+
 
 @dataclass
 class _Isolation:
@@ -219,6 +276,182 @@ class _Isolation:
     @property
     def workers(self) -> list:
         return [self.front] + ([self.decode] if self.decode is not None else [])
+
+
+class Isolations:
+    """Suspect documents waiting to run alone (in order), and the workers reserved for each.
+    Suspects hold at most all but one live front worker, so the rest keep working; a
+    reservation whose worker failed is given up and made again elsewhere."""
+
+    def __init__(self, workers: Workers, front_role: str, pd: bool, policy: RetryPolicy):
+        self.workers, self.front_role, self.pd, self.policy = workers, front_role, pd, policy
+        self.waiting: collections.OrderedDict = collections.OrderedDict()  # doc id -> None
+        self.reserved: dict[str, _Isolation] = {}  # suspect doc id -> workers reserved for it
+
+    def wait(self, d_id: str) -> None:
+        self.waiting.setdefault(d_id)
+
+    def forget(self, d_id: str) -> None:
+        """The document is finished: not waiting, nothing reserved."""
+        self.waiting.pop(d_id, None)
+        self.release(d_id)
+
+    def release(self, d_id: str) -> None:
+        iso = self.reserved.pop(d_id, None)
+        for k in iso.workers if iso else ():
+            if self.workers[k].reserved_for == d_id:
+                self.workers[k].reserved_for = None
+
+    def claim(self, doc: Document, now: float) -> _Isolation | None:
+        """The workers reserved for ``doc``, reserving them if there is room; None: not now."""
+        iso = self.reserved.get(doc.doc_id)
+        if iso is not None and any(self.workers[k].state != "ok" for k in iso.workers):
+            self.release(doc.doc_id)  # a reserved worker failed meanwhile: reserve others
+            iso = None
+        if iso is None and len(self.reserved) < max(1, len(self.workers.live(self.front_role)) - 1):
+            iso = self._reserve(doc, now)
+        return iso
+
+    def _reserve(self, doc: Document, now: float) -> _Isolation | None:
+        def candidates(role):
+            ws = [w for w in self.workers.of(role) if w.state == "ok" and w.reserved_for is None]
+            return sorted(ws, key=lambda w: (w.key in doc.solo_failed_on, w.streak > 0, w.hold_until > now,
+                                             self.workers.inflight.count(w.key), w.key[1]))
+
+        fronts = candidates(self.front_role)
+        decs = candidates("decode") if self.pd else [None]
+        if not fronts or not decs:
+            return None
+        iso = _Isolation(fronts[0].key, decs[0].key if decs[0] is not None else None)
+        for k in iso.workers:
+            self.workers[k].reserved_for = doc.doc_id
+        self.reserved[doc.doc_id] = iso
+        log.warning("retrying document %s alone on %s: a suspect (in batches lost at %d failure sites; %d of %d "
+                    "attempts charged)", doc.doc_id, " + ".join(f"{r} worker {i}" for r, i in iso.workers),
+                    len(doc.sites), doc.attempts, self.policy.max_attempts)
+        return iso
+
+
+class Blame:
+    """What a lost batch means for each of its documents (`RetryPolicy` decides): its rows go
+    back to the front of the retry queue, to run on other workers; a document lost at
+    enough different sites becomes a suspect that runs alone (`Isolations`); a suspect's
+    own solo failures are charged against ``max_attempts`` and end in a dead letter."""
+
+    def __init__(self, workers: Workers, policy: RetryPolicy, isolation: Isolations, stats: collections.Counter):
+        self.workers, self.policy, self.isolation, self.stats = workers, policy, isolation, stats
+        self.retry: collections.OrderedDict = collections.OrderedDict()  # doc id -> rows, front first
+
+    def lost(self, docs: dict[str, Document], b: Batch, rows: list[dict], reason: str,
+             etype: str) -> list[tuple[Document, str]]:
+        """Rows of batch ``b`` came back without results; -> documents to dead-letter, with why."""
+        by_doc: dict[str, list] = {}
+        for r in rows:
+            doc = docs.get(r["doc_id"])
+            if doc is not None:
+                doc.inflight.discard(r["task"])
+                by_doc.setdefault(r["doc_id"], []).append(r)
+        dead = []
+        for d_id, drows in by_doc.items():
+            doc = docs[d_id]
+            doc.last_error = reason
+            if b.solo == d_id:
+                why = self._charge(doc, b, reason, etype)
+                dead += [(doc, why)] if why else []
+                continue
+            doc.failed_on.update(b.workers)
+            if b.id > doc.evidence_after:  # not a batch lost together with an earlier one
+                self.stats["requeued"] += 1
+                # an engine error leaves the worker up (same epoch): each such batch is its own site
+                doc.sites.add(b.site if etype != "EngineError" else b.site | {("batch", b.id, 0)})
+                doc.evidence_after = self.workers.inflight.last_id
+            others = any(len(self.workers.live(k[0])) > 1 for k in b.workers)
+            if not doc.suspect and self.policy.is_suspect(len(doc.sites), other_workers=others):
+                doc.suspect = True
+                self.stats["suspects"] += 1
+            if doc.suspect:
+                self.isolation.wait(d_id)
+                continue
+            log.warning("retrying document %s on another worker (%s on %s): %s", d_id, etype,
+                        " + ".join(f"{r} worker {i}" for r, i in b.workers), reason[:200])
+            self.retry[d_id] = self.retry.get(d_id, []) + drows
+            self.retry.move_to_end(d_id, last=False)
+        return dead
+
+    def _charge(self, doc: Document, b: Batch, reason: str, etype: str) -> str | None:
+        """A suspect's solo run failed: one attempt charged; -> the dead letter's message when
+        none are left, else None (it waits to run alone again)."""
+        doc.attempts += 1
+        doc.solo_failed_on.add(b.front)
+        self.stats["attempts_charged"] += 1
+        mx = self.policy.max_attempts
+        if self.policy.dead(doc.attempts):
+            return (f"failed on all {doc.attempts} attempts run alone (retries.max_attempts={mx}; after "
+                    f"failing in batches on {len(doc.sites)} different workers; a document that keeps "
+                    f"crashing its worker is a poison pill); last error: {reason}")
+        log.warning("retrying document %s alone (attempt %d/%d) after %s", doc.doc_id, doc.attempts + 1, mx,
+                    reason[:200])
+        self.isolation.wait(doc.doc_id)
+        return None
+
+
+class Outcomes:
+    """What the commit buffer takes: completed documents, dead letters, and error rows of
+    (document, task)s that failed alone. Each `take` hands a list over and starts a new one."""
+
+    def __init__(self):
+        self.completed: list[Document] = []
+        self.dead: list[dict] = []
+        self.task_errors: list[dict] = []
+
+    def dead_letter(self, doc: Document, stage: str, etype: str, msg: str) -> None:
+        self.dead.append({"doc_id": doc.doc_id, "source": doc.source, "stage": stage, "error_type": etype,
+                          "error": msg[:1000]})
+        log.warning("dead-lettered document %s (%s: %s)", doc.doc_id, etype, msg[:200])
+
+    def task_error(self, doc: Document, task: str, stage: str, etype: str, msg: str) -> None:
+        """An error row naming the task; it counts as that task's outcome, so the document's
+        other tasks still commit."""
+        doc.results[task] = {"error": msg, "stage": stage, "error_type": etype}
+        self.task_errors.append({"doc_id": doc.doc_id, "source": doc.source, "task": task, "stage": stage,
+                                 "error_type": etype, "error": msg[:1000]})
+        log.warning("task %s of document %s failed alone (%s: %s)", task, doc.doc_id, etype, msg[:200])
+
+    def take(self, name: str) -> list:
+        out = getattr(self, name)
+        setattr(self, name, [])
+        return out
+
+
+def pack_routing(routing, by_id: dict[str, dict], max_batch_tokens: int) -> list[tuple[list, int]]:
+    """The router's per-worker request lists -> batches of at most ``max_batch_tokens``
+    prompt tokens, each ``([(row, duplicate rows)], worker index)``, the workers' batches
+    interleaved so that every worker gets work as slots free up."""
+    fanout = getattr(routing, "fanout", {})
+    per_worker = []
+    for w, lst in enumerate(routing):
+        batches, batch, tokens = [], [], 0
+        for req in lst:
+            r = by_id[req.request_id]
+            if batch and tokens + len(r["prompt_ids"]) > max_batch_tokens:
+                batches.append((batch, w))
+                batch, tokens = [], 0
+            batch.append((r, [by_id[d] for d in fanout.get(req.request_id, [])]))
+            tokens += len(r["prompt_ids"])
+        if batch:
+            batches.append((batch, w))
+        per_worker.append(batches)
+    return [b[i] for i in range(max((len(b) for b in per_worker), default=0)) for b in per_worker if i < len(b)]
+
+
+def live_entries(entries: list, is_live: Callable[[dict], bool]) -> list:
+    """Drops rows of finished or suspect documents; a dropped row's duplicates take its place."""
+    live = []
+    for row, dups in entries:
+        group = [r for r in [row, *dups] if is_live(r)]
+        if group:
+            live.append((group[0], group[1:]))
+    return live
 
 
 class Dispatcher:
@@ -241,9 +474,12 @@ class Dispatcher:
                  is_fatal: Callable[[str | None], bool] = lambda err: False, clock=time.monotonic):
         self.pd = "prefill" in counts
         self.front_role = "prefill" if self.pd else "colocated"
-        self.workers = Workers(counts)
+        self.inflight = InflightTable()
+        self.workers = Workers(counts, self.inflight)
         self.router = router
         self.policy = policy or RetryPolicy()
+        self.isolation = Isolations(self.workers, self.front_role, self.pd, self.policy)
+        self.outcomes = Outcomes()
         self.max_batch_tokens = max_batch_tokens
         self.inflight_cap = inflight_cap
         self.window = window
@@ -254,16 +490,10 @@ class Dispatcher:
         self.docs: dict[str, Document] = {}
         self.finished_ids: set[str] = set()  # completed or dead-lettered: later input rows ignored
         self.queue = WorkQueue()
-        self.retry: collections.OrderedDict = collections.OrderedDict()  # doc id -> rows, front first
         self.routed: collections.deque = collections.deque()  # ([(row, dup rows)], front index)
-        self.suspects: collections.OrderedDict = collections.OrderedDict()  # doc id -> None, waiting to run alone
-        self.isolations: dict[str, _Isolation] = {}  # suspect doc id -> workers reserved for it
-        self.inflight = InflightTable()
         self.paused = False  # the owner stops submissions (e.g. re-forming a collective group)
-        self._completed: list[Document] = []
-        self._dead: list[dict] = []
-        self._task_errors: list[dict] = []  # error rows of (document, task)s that failed alone
         self.stats = collections.Counter()  # requeued, attempts_charged, suspects, solo_batches, ...
+        self.blame = Blame(self.workers, self.policy, self.isolation, self.stats)
 
     # ------------------------------------------------------------------ input
     def add_row(self, row: dict) -> bool:
@@ -286,6 +516,11 @@ class Dispatcher:
             return False  # the same document twice in the input: computed once
         self.queue.push([row])
         return True
+
+    @property
+    def retry(self) -> collections.OrderedDict:
+        """Rows of lost batches by document, front first (`Blame`)."""
+        return self.blame.retry
 
     @property
     def queued(self) -> int:
@@ -319,25 +554,10 @@ class Dispatcher:
             self.stats["solo_batches"] += b.solo is not None
         return out
 
-    def _usable(self, key: WorkerKey, now: float) -> bool:
-        w = self.workers[key]
-        return (w.state == "ok" and w.reserved_for is None and now >= w.hold_until
-                and not (w.probation and self.inflight.count(key) > 0))
-
-    def _pick(self, role: str, now: float, avoid=(), prefer: int | None = None) -> WorkerKey | None:
-        """A usable worker of `role`: `prefer` if usable, else one not in `avoid`, least busy."""
-        usable = [w.key for w in self.workers.of(role) if self._usable(w.key, now)]
-        if not usable:
-            return None
-        if prefer is not None and (role, prefer) in usable and (role, prefer) not in avoid:
-            return (role, prefer)
-        load = (lambda k: self.workers[k].load) if role == "decode" else self.inflight.count
-        return min(usable, key=lambda k: (k in avoid, load(k), k[1]))
-
     def _pick_decode(self, now: float, avoid=()) -> tuple[bool, WorkerKey | None]:
         if not self.pd:
             return True, None
-        d = self._pick("decode", now, avoid)
+        d = self.workers.pick("decode", now, avoid)
         return d is not None, d
 
     def _new_batch(self, entries: list, front: WorkerKey, decode: WorkerKey | None, solo: str | None = None) -> Batch:
@@ -359,61 +579,25 @@ class Dispatcher:
         return (doc is not None and not doc.suspect and row["task"] not in doc.results
                 and row["task"] not in doc.inflight)
 
-    def _max_isolated(self) -> int:
-        """Suspects run alone on at most all but one live front worker: the rest keep working."""
-        return max(1, len(self.workers.live(self.front_role)) - 1)
-
     def _run_suspects(self, out: list, now: float) -> None:
-        for d_id in list(self.suspects):
+        for d_id in list(self.isolation.waiting):
             doc = self.docs.get(d_id)
             if doc is None:
-                self.suspects.pop(d_id)
+                self.isolation.waiting.pop(d_id)
                 continue
-            iso = self.isolations.get(d_id)
-            if iso is not None and any(self.workers[k].state != "ok" for k in iso.workers):
-                self._release(d_id)  # a reserved worker failed meanwhile: reserve others
-                iso = None
+            iso = self.isolation.claim(doc, now)
             if iso is None:
-                if len(self.isolations) >= self._max_isolated():
-                    continue
-                iso = self._reserve(doc, now)
-                if iso is None:
-                    continue
+                continue
             if doc.inflight or any(self.inflight.count(k) for k in iso.workers) or now < max(
                     self.workers[k].hold_until for k in iso.workers):
                 continue  # draining the reserved workers
             rows = doc.waiting()
-            self.suspects.pop(d_id)
+            self.isolation.waiting.pop(d_id)
             if not rows:
-                self._release(d_id)
+                self.isolation.release(d_id)
                 self._check_done(doc)
                 continue
             out.append(self._new_batch([(r, []) for r in rows], iso.front, iso.decode, solo=d_id))
-
-    def _reserve(self, doc: Document, now: float) -> _Isolation | None:
-        def candidates(role):
-            ws = [w for w in self.workers.of(role) if w.state == "ok" and w.reserved_for is None]
-            return sorted(ws, key=lambda w: (w.key in doc.solo_failed_on, w.streak > 0, w.hold_until > now,
-                                             self.inflight.count(w.key), w.key[1]))
-
-        fronts = candidates(self.front_role)
-        decs = candidates("decode") if self.pd else [None]
-        if not fronts or not decs:
-            return None
-        iso = _Isolation(fronts[0].key, decs[0].key if decs[0] is not None else None)
-        for k in iso.workers:
-            self.workers[k].reserved_for = doc.doc_id
-        self.isolations[doc.doc_id] = iso
-        log.warning("retrying document %s alone on %s: a suspect (in batches lost at %d failure sites; %d of %d "
-                    "attempts charged)", doc.doc_id, " + ".join(f"{r} worker {i}" for r, i in iso.workers),
-                    len(doc.sites), doc.attempts, self.policy.max_attempts)
-        return iso
-
-    def _release(self, d_id: str) -> None:
-        iso = self.isolations.pop(d_id, None)
-        for k in iso.workers if iso else ():
-            if self.workers[k].reserved_for == d_id:
-                self.workers[k].reserved_for = None
 
     def _submit_retries(self, out: list, now: float) -> None:
         """Requests of lost batches, one document per batch, on a worker it did not fail on."""
@@ -424,7 +608,7 @@ class Dispatcher:
                 self.retry.pop(d_id)
                 continue
             doc = self.docs[d_id]
-            front = self._pick(self.front_role, now, avoid=doc.failed_on)
+            front = self.workers.pick(self.front_role, now, avoid=doc.failed_on)
             ok, decode = self._pick_decode(now, avoid=doc.failed_on)
             if front is None or not ok:
                 return
@@ -434,30 +618,21 @@ class Dispatcher:
     def _submit_routed(self, out: list, now: float) -> None:
         while len(self.inflight) < self.inflight_cap:
             if not self.routed:
-                if not len(self.queue) or self._pick(self.front_role, now) is None:
+                if not len(self.queue) or self.workers.pick(self.front_role, now) is None:
                     return
                 self._route_window()
                 continue
             entries, w = self.routed[0]
-            entries = self._live_entries(entries)
+            entries = live_entries(entries, self._live_row)
             if not entries:
                 self.routed.popleft()
                 continue
-            front = self._pick(self.front_role, now, prefer=w)
+            front = self.workers.pick(self.front_role, now, prefer=w)
             ok, decode = self._pick_decode(now)
             if front is None or not ok:
                 return
             self.routed.popleft()
             out.append(self._new_batch(entries, front, decode))
-
-    def _live_entries(self, entries: list) -> list:
-        """Drops rows of finished or suspect documents; a dropped row's duplicates take its place."""
-        live = []
-        for row, dups in entries:
-            group = [r for r in [row, *dups] if self._live_row(r)]
-            if group:
-                live.append((group[0], group[1:]))
-        return live
 
     def _route_window(self) -> None:
         """Route one window of fresh rows (whole documents) into per-worker batches."""
@@ -468,32 +643,13 @@ class Dispatcher:
         reqs = [Request(rid, tuple(r["prompt_ids"]), int(r["max_tokens"]), self.request_key(r))
                 for rid, r in by_id.items()]
         routing = self.router.route(reqs) if reqs else []
-        fanout = getattr(routing, "fanout", {})
-        per_worker = []
-        for w, lst in enumerate(routing):
-            batches, batch, tokens = [], [], 0
-            for req in lst:
-                r = by_id[req.request_id]
-                if batch and tokens + len(r["prompt_ids"]) > self.max_batch_tokens:
-                    batches.append((batch, w))
-                    batch, tokens = [], 0
-                batch.append((r, [by_id[d] for d in fanout.get(req.request_id, [])]))
-                tokens += len(r["prompt_ids"])
-            if batch:
-                batches.append((batch, w))
-            per_worker.append(batches)
-        # interleave the workers' batches so that every worker gets work as slots free up
-        for i in range(max((len(b) for b in per_worker), default=0)):
-            self.routed.extend(b[i] for b in per_worker if i < len(b))
+        self.routed.extend(pack_routing(routing, by_id, self.max_batch_tokens))
 
     # ------------------------------------------------------------------ outcomes
     def batch_done(self, batch_id: int, results: list[dict]) -> None:
         """The call returned: record results; requests with an "error" (or none) failed."""
         b = self._pop(batch_id)
-        for k in b.workers:
-            w = self.workers[k]
-            if w.epoch == next(e for r, i, e in b.site if (r, i) == k):
-                w.streak, w.probation = 0, False
+        self.workers.succeeded(b)
         by_id = {r.get("request_id"): r for r in results}
         lost, reason = [], ""
         for row in b.rows:
@@ -522,16 +678,7 @@ class Dispatcher:
     def batch_failed(self, batch_id: int, reason: str, etype: str = "WorkerCrash") -> None:
         """The call failed (worker died, node lost, KV lost): blame its workers; requeue."""
         b = self._pop(batch_id)
-        now = self.clock()
-        for role, i, epoch in b.site:
-            w = self.workers[(role, i)]
-            if w.state == "dead" or w.epoch != epoch:
-                continue  # a late failure of an earlier incarnation: already counted
-            if w.failed_epoch != epoch:
-                w.failed_epoch, w.streak = epoch, w.streak + 1
-                w.failures += 1
-            if w.state == "ok":
-                w.state, w.since = "unhealthy", now
+        self.workers.blame(b, self.clock())
         self._lost(b, b.all_rows(), reason, etype)
         self._after(b)
 
@@ -541,59 +688,17 @@ class Dispatcher:
             self.workers[b.decode].load -= b.load
         return b
 
+    def _lost(self, b: Batch, rows: list[dict], reason: str, etype: str) -> None:
+        for doc, why in self.blame.lost(self.docs, b, rows, reason, etype):
+            self._dead_letter(doc, "generate", etype, why)
+
     def _after(self, b: Batch) -> None:
         if b.solo is not None:
-            self._release(b.solo)
+            self.isolation.release(b.solo)
         for d_id in dict.fromkeys(r["doc_id"] for r in b.all_rows()):
             doc = self.docs.get(d_id)
             if doc is not None:
                 self._check_done(doc)
-
-    def _lost(self, b: Batch, rows: list[dict], reason: str, etype: str) -> None:
-        by_doc: dict[str, list] = {}
-        for r in rows:
-            doc = self.docs.get(r["doc_id"])
-            if doc is not None:
-                doc.inflight.discard(r["task"])
-                by_doc.setdefault(r["doc_id"], []).append(r)
-        for d_id, drows in by_doc.items():
-            doc = self.docs[d_id]
-            doc.last_error = reason
-            if b.solo == d_id:
-                self._charge(doc, b, reason, etype)
-                continue
-            doc.failed_on.update(b.workers)
-            if b.id > doc.evidence_after:  # not a batch lost together with an earlier one
-                self.stats["requeued"] += 1
-                # an engine error leaves the worker up (same epoch): each such batch is its own site
-                doc.sites.add(b.site if etype != "EngineError" else b.site | {("batch", b.id, 0)})
-                doc.evidence_after = self.inflight.last_id
-            others = any(len(self.workers.live(k[0])) > 1 for k in b.workers)
-            if not doc.suspect and self.policy.is_suspect(len(doc.sites), other_workers=others):
-                doc.suspect = True
-                self.stats["suspects"] += 1
-            if doc.suspect:
-                self.suspects.setdefault(d_id)
-                continue
-            log.warning("retrying document %s on another worker (%s on %s): %s", d_id, etype,
-                        " + ".join(f"{r} worker {i}" for r, i in b.workers), reason[:200])
-            self.retry[d_id] = self.retry.get(d_id, []) + drows
-            self.retry.move_to_end(d_id, last=False)
-
-    def _charge(self, doc: Document, b: Batch, reason: str, etype: str) -> None:
-        doc.attempts += 1
-        doc.solo_failed_on.add(b.front)
-        self.stats["attempts_charged"] += 1
-        mx = self.policy.max_attempts
-        if self.policy.dead(doc.attempts):
-            self._dead_letter(doc, "generate", etype,
-                              f"failed on all {doc.attempts} attempts run alone (retries.max_attempts={mx}; after "
-                              f"failing in batches on {len(doc.sites)} different workers; a document that keeps "
-                              f"crashing its worker is a poison pill); last error: {reason}")
-            return
-        log.warning("retrying document %s alone (attempt %d/%d) after %s", doc.doc_id, doc.attempts + 1, mx,
-                    reason[:200])
-        self.suspects.setdefault(doc.doc_id)
 
     def _check_done(self, doc: Document) -> None:
         if not doc.all_done() or doc.doc_id not in self.docs:
@@ -602,71 +707,51 @@ class Dispatcher:
         added = [r for r in more or [] if doc.add_request(r)]
         if added:
             if doc.suspect:
-                self.suspects.setdefault(doc.doc_id)
+                self.isolation.wait(doc.doc_id)
             else:
                 self.queue.push_front(added)
             return
-        self.docs.pop(doc.doc_id)
-        self.finished_ids.add(doc.doc_id)
-        self.suspects.pop(doc.doc_id, None)
-        self._release(doc.doc_id)
-        self._completed.append(doc)
+        self._finish(doc)
+        self.outcomes.completed.append(doc)
 
     def _dead_letter(self, doc: Document, stage: str, etype: str, msg: str) -> None:
-        self._dead.append({"doc_id": doc.doc_id, "source": doc.source, "stage": stage, "error_type": etype,
-                           "error": msg[:1000]})
-        log.warning("dead-lettered document %s (%s: %s)", doc.doc_id, etype, msg[:200])
+        self.outcomes.dead_letter(doc, stage, etype, msg)
+        self._finish(doc)
+
+    def _finish(self, doc: Document) -> None:
+        """Committed or dead-lettered: later input rows of the document are ignored."""
         self.docs.pop(doc.doc_id, None)
         self.finished_ids.add(doc.doc_id)
-        self.suspects.pop(doc.doc_id, None)
-        self._release(doc.doc_id)
+        self.isolation.forget(doc.doc_id)
 
     def take_completed(self) -> list[Document]:
-        out, self._completed = self._completed, []
-        return out
+        return self.outcomes.take("completed")
 
     def task_error(self, doc: Document, task: str, stage: str, etype: str, msg: str) -> None:
-        """One (document, task) failed alone: an error row naming the task, which counts as
-        that task's outcome, so the document's other tasks still commit. Completion is
-        checked where a batch ends (`_after`), never here: an input row's document may not
-        have all its rows yet."""
-        doc.results[task] = {"error": msg, "stage": stage, "error_type": etype}
-        self._task_errors.append({"doc_id": doc.doc_id, "source": doc.source, "task": task, "stage": stage,
-                                  "error_type": etype, "error": msg[:1000]})
-        log.warning("task %s of document %s failed alone (%s: %s)", task, doc.doc_id, etype, msg[:200])
+        """One (document, task) failed alone (`Outcomes.task_error`). Completion is checked
+        where a batch ends (`_after`), never here: an input row's document may not have all
+        its rows yet."""
+        self.outcomes.task_error(doc, task, stage, etype, msg)
 
     def take_task_errors(self) -> list[dict]:
-        out, self._task_errors = self._task_errors, []
-        return out
+        return self.outcomes.take("task_errors")
 
     def take_dead_letters(self) -> list[dict]:
-        out, self._dead = self._dead, []
-        return out
+        return self.outcomes.take("dead")
 
     # ------------------------------------------------------------------ worker health
     def unhealthy(self) -> list[WorkerState]:
-        return [w for w in self.workers.by_key.values() if w.state == "unhealthy"]
+        return self.workers.unhealthy()
 
     def worker_back(self, key: WorkerKey) -> None:
-        """The worker answers again (restarted or not): a new epoch; held back if it keeps failing."""
-        w = self.workers[key]
-        if w.state != "unhealthy":
-            return
-        w.state, w.epoch = "ok", w.epoch + 1
-        w.hold_until = self.clock() + self.policy.hold_s(w.streak)
-        w.probation = self.policy.on_probation(w.streak)
+        self.workers.back(key, self.clock(), self.policy)
 
     def worker_dead(self, key: WorkerKey) -> None:
         w = self.workers[key]
         w.state = "dead"
         if w.reserved_for is not None:
-            self._release(w.reserved_for)
+            self.isolation.release(w.reserved_for)
 
     def dead_role(self) -> str | None:
         """A role whose every worker is dead while documents remain: the job cannot go on."""
-        if not self.docs:
-            return None
-        for role in self.workers.counts:
-            if not self.workers.live(role):
-                return role
-        return None
+        return self.workers.dead_role() if self.docs else None

@@ -314,7 +314,7 @@ def _convert_gguf(name: str, fs, p: str, cache_dir: str) -> None:
     }
     if g("rope.scaling.type") == "linear":
         hf_cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(g("rope.scaling.factor", 1.0))}
-    config = ModelConfig.from_hf(hf_cfg, source=name)
+    ModelConfig.from_hf(hf_cfg, source=name)  # refuses a GGUF whose header is not a model we run, before dequantizing
 
     names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
     blk = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
