@@ -48,8 +48,9 @@ class Sim:
     on that worker fails with it (the process died), and the worker answers a ping again
     `restart_steps` steps later. Each step every in-flight batch ends."""
 
-    def __init__(self, d, clock, crashes=lambda b: False, restart_steps=1):
+    def __init__(self, d, clock, crashes=lambda b: False, restart_steps=1, victim=lambda b: b.front):
         self.d, self.clock, self.crashes, self.restart_steps = d, clock, crashes, restart_steps
+        self.victim = victim  # the worker a crashing batch kills
         self.inflight = {}
         self.down: dict = {}  # key -> step it answers again
         self.step_no = 0
@@ -65,11 +66,11 @@ class Sim:
         crashed = set()
         for b in list(self.inflight.values()):
             if b.id in self.inflight and self.crashes(b):
-                crashed.add(b.front)
+                crashed.add(self.victim(b))
         for b in list(self.inflight.values()):
             self.inflight.pop(b.id)
-            if b.front in crashed:
-                self.d.batch_failed(b.id, f"ActorDiedError: {b.front} died", "WorkerCrash")
+            if set(b.workers) & crashed:
+                self.d.batch_failed(b.id, f"ActorDiedError: {self.victim(b)} died", "WorkerCrash")
             else:
                 self.d.batch_done(b.id, ok_results(b))
         for k in crashed:
@@ -374,3 +375,17 @@ def test_single_worker_pool_poison_costs_one_crash_before_its_charged_attempts()
     assert d.workers[("prefill", 0)].failures == 4 and d.stats["attempts_charged"] == 3
     solo = [b for _, b in sim.submitted if b.solo]
     assert all(b.decode == ("decode", 0) for b in solo) and len([b for b in solo if b.solo == "poison"]) == 3
+
+
+def test_poison_that_kills_the_only_decode_worker_is_isolated_at_once():
+    """Two prefill workers, one decode worker: a retry cannot reach another decode worker,
+    so one lost batch makes its documents suspects, and the poison is dead-lettered after
+    1 + max_attempts crashes of the decode worker (within Ray's max_restarts=4)."""
+    clock = Clock()
+    d = make({"prefill": 2, "decode": 1}, clock, max_batch_tokens=1000)
+    add_docs(d, ["a", "poison", "b", "c"])
+    sim = Sim(d, clock, crashes=lambda b: any(r["doc_id"] == "poison" for r in b.rows), victim=lambda b: b.decode)
+    sim.run()
+    assert [e["doc_id"] for e in sim.dead] == ["poison"]
+    assert sorted(x.doc_id for x in sim.completed) == ["a", "b", "c"]
+    assert d.workers[("decode", 0)].failures == 4 and d.stats["attempts_charged"] == 3

@@ -365,7 +365,7 @@ class Blame:
                 # an engine error leaves the worker up (same epoch): each such batch is its own site
                 doc.sites.add(b.site if etype != "EngineError" else b.site | {("batch", b.id, 0)})
                 doc.evidence_after = self.workers.inflight.last_id
-            others = any(len(self.workers.live(k[0])) > 1 for k in b.workers)
+            others = all(len(self.workers.live(k[0])) > 1 for k in b.workers)  # a retry can avoid each
             if not doc.suspect and self.policy.is_suspect(len(doc.sites), other_workers=others):
                 doc.suspect = True
                 self.stats["suspects"] += 1

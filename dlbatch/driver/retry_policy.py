@@ -12,7 +12,8 @@ healthy and were merely present. The policy therefore charges the failure to the
 - A document becomes a *suspect* when it has been in failed batches at
   `suspect_after_sites` (2) different sites (two different workers, or one worker before
   and after a restart), or at one site when its batch ran on the only live worker of
-  every role it used (no other worker could tell it from a worker fault). A suspect is
+  some role it used (e.g. the only decode worker: a retry would meet the same worker, so
+  no other worker could tell the document from a worker fault). A suspect is
   run alone on a drained worker (nothing else in flight there), so its next failure is
   its own.
 - Only a suspect's failures while run alone are *charged*; after `max_attempts` charged
@@ -45,7 +46,7 @@ class RetryPolicy:
 
     def is_suspect(self, n_sites: int, other_workers: bool = True) -> bool:
         """A document seen in failures at `n_sites` distinct sites is to be run alone. With no
-        other worker to retry it on (one live worker per role), a second site could only come
+        other worker to retry it on (one live worker in a role the batch used), a second site could only come
         from the same worker crashing again: one is enough, or a poison document would use up
         two of that worker's restarts before its first charged attempt."""
         return n_sites >= (self.suspect_after_sites if other_workers else 1)
