@@ -7,14 +7,23 @@ Files and folders whose name starts with ``_`` or ``.`` (``_tmp/``, ``_SUCCESS``
 ``.ipynb_checkpoints``) are skipped when walking a directory.
 
 ``read_document_file(url, format, ...)`` yields the rows of one listed input.
+
+``input.limit`` is applied here, not by the data plane: :func:`limited_reads` gives, for the
+sorted listing, how many rows each file contributes so that the job takes the first N rows
+in a fixed order (files sorted by URL, rows in file order). Ray Data's ``limit()`` takes the
+first N rows that happen to arrive, which changes with parallelism, so a resumed run could
+pick other documents. Counting stops at the limit: only the files the limit reaches are
+read (JSONL: lines counted, not parsed; Parquet: the footer's row count).
 """
 
 from __future__ import annotations
 
 import re
+from itertools import islice
 from typing import Iterator
 
 from .io_retry import call_with_retry
+from .records import DuplicateIds
 
 FORMAT_EXTENSIONS: dict[str, tuple[str, ...]] = {
     "pdf": (".pdf",),
@@ -115,15 +124,26 @@ def _walk(fs, root: str, exts: tuple[str, ...], format: str) -> list[str]:
 def read_document_file(url: str, format: str, text_field: str = "text", id_field: str | None = None,
                        storage_options: dict | None = None, *, max_pages: int | None = None,
                        errors: str = "strict", title_field: str | None = "title",
-                       split: str | None = None) -> Iterator[dict]:
+                       split: str | None = None, max_rows: int | None = None) -> Iterator[dict]:
     """Rows of one input (a URL returned by :func:`list_inputs`).
 
     pdf -> one row (connectors.pdf.extract_pdf; ``max_pages`` caps pages read);
     jsonl / parquet -> one row per record; text -> one row per file (``errors``);
     hf -> rows of a saved dataset or data file (``split`` picks a DatasetDict split).
     Infrastructure errors (missing file after retries, permission) raise; bad content
-    becomes error rows.
+    becomes error rows. ``max_rows``: the first rows only (:func:`limited_reads`).
+    With ``id_field``, a row whose id an earlier row of the file has becomes a
+    ``DuplicateId`` error row naming both sources (`connectors.records.DuplicateIds`).
     """
+    rows = _read_rows(url, format, text_field, id_field, storage_options, max_pages=max_pages, errors=errors,
+                      title_field=title_field, split=split)
+    if id_field:
+        rows = DuplicateIds(id_field).check(rows)
+    return rows if max_rows is None else islice(rows, max_rows)
+
+
+def _read_rows(url: str, format: str, text_field: str, id_field: str | None, storage_options: dict | None, *,
+               max_pages: int | None, errors: str, title_field: str | None, split: str | None) -> Iterator[dict]:
     _check_format(format)
     fs, fspath = _url_to_fs(url, storage_options)
     if format == "pdf":
@@ -189,3 +209,64 @@ def inputs_fingerprint(files: list[str], storage_options: dict | None = None, li
         described = [_describe(f, storage_options) for f in files]
     body = "\n".join(f"{f}\t{d}" for f, d in zip(files, described)) + f"\nlimit={limit}"
     return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def count_rows(url: str, format: str, stop: int, storage_options: dict | None = None, **read_kwargs) -> int:
+    """How many rows :func:`read_document_file` yields for ``url``, counting at most ``stop``.
+
+    JSONL: its non-blank lines (each is one row, good or error); Parquet: the footer's row
+    count (an unreadable file is one CorruptFile row); pdf and text: one; hf: the rows read.
+    A file that fails part-way counts the rows before the failure and one error row, as
+    `connectors.parse.parse_file` turns it; a missing file or a denied read raises.
+    """
+    _check_format(format)
+    if format in ("pdf", "text"):
+        return min(1, stop)
+    fs, fspath = _url_to_fs(url, storage_options)
+    n = 0
+    try:
+        if format == "jsonl":
+            from .text_sources import _compression_for, _open
+
+            with _open(fs, fspath, _compression_for(url)) as f:
+                for line in f:
+                    n += bool(line.strip())
+                    if n >= stop:
+                        break
+            return n
+        if format == "parquet":
+            import pyarrow.parquet as pq
+
+            with call_with_retry(fs.open, fspath, "rb", op=f"open {url}") as f:
+                try:
+                    return min(pq.ParquetFile(f).metadata.num_rows, stop)
+                except Exception:
+                    return min(1, stop)  # read_parquet yields one CorruptFile row
+        for _ in islice(read_document_file(url, format, storage_options=storage_options, **read_kwargs), stop):
+            n += 1
+        return n
+    except (FileNotFoundError, PermissionError):
+        raise
+    except Exception:
+        return min(n + 1, stop)
+
+
+def limited_reads(files: list[str], format: str, limit: int | None, storage_options: dict | None = None,
+                  **read_kwargs) -> list[tuple[str, int | None]]:
+    """``(url, max_rows)`` for each file the job reads: every file whole (``max_rows``
+    None) without a limit; under ``input.limit`` N, the files in sorted order until N rows,
+    the last one cut at the rows still wanted. The same files and limit give the same
+    documents on every run and resume, whatever the reading parallelism."""
+    files = sorted(files)
+    if limit is None:
+        return [(f, None) for f in files]
+    out: list[tuple[str, int | None]] = []
+    left = limit
+    for f in files:
+        if left <= 0:
+            break
+        n = count_rows(f, format, left, storage_options, **read_kwargs)
+        if n:
+            out.append((f, n))
+            left -= n
+    return out

@@ -28,16 +28,21 @@ def prompt_actors(cluster_cpus: float, parse_concurrency: int = 1) -> tuple[int,
 def build(spec, files: list[str], skip_doc_ids: set[str], parse_concurrency: int = 1):
     import ray
 
+    from connectors.listing import limited_reads
     from connectors.parse import parse_file
     from dlbatch.prompts.stage import PromptStage
 
     inp = spec.input
-    ds = ray.data.from_items([{"url": f} for f in files], override_num_blocks=max(1, min(len(files), MAX_BLOCKS)))
+    # input.limit: the first N rows of the sorted files, as per-file row caps (not ds.limit)
+    reads = limited_reads(files, inp.format, inp.limit, dict(inp.storage_options), text_field=inp.text_field,
+                          id_field=inp.id_field, max_pages=inp.max_pages)
+    ds = ray.data.from_items([{"url": f, "max_rows": n} for f, n in reads],
+                             override_num_blocks=max(1, min(len(reads), MAX_BLOCKS)))
     ds = ds.flat_map(parse_file, fn_kwargs=dict(fmt=inp.format, text_field=inp.text_field, id_field=inp.id_field,
-                                                storage_options=dict(inp.storage_options), max_pages=inp.max_pages),
+                                                storage_options=dict(inp.storage_options), max_pages=inp.max_pages,
+                                                max_file_bytes=inp.max_file_bytes, parse_timeout_s=inp.parse_timeout_s,
+                                                parse_memory_mb=inp.parse_memory_mb),
                      num_cpus=0.25)
-    if inp.limit is not None and inp.format not in ("pdf", "text"):
-        ds = ds.limit(inp.limit)
     lo, hi = prompt_actors(ray.cluster_resources().get("CPU", 1.0), parse_concurrency)
     ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec=spec,
                                                                 skip_doc_ids=sorted(skip_doc_ids),
