@@ -413,6 +413,9 @@ class ClusterSpec(BaseModel):
     decode: PoolSpec = Field(default_factory=lambda: PoolSpec(chip="cheap"))
     colocated: Optional[PoolSpec] = None
     kv_transport: Literal["auto", "object_store", "shm", "rdt", "dlslime"] = "auto"
+    # dlslime endpoints may listen off loopback (DLBATCH_DLSLIME_IP): whoever reaches one can
+    # read and write the worker's memory (docs/transfer.md); off by default
+    dlslime_allow_network: bool = False
 
     @field_validator("address")
     @classmethod

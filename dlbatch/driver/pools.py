@@ -115,6 +115,8 @@ class WorkerPools:
         # endpoint/offline switches hold for its workers too (paths and tokens stay each node's own)
         forwarded = {k: v for k, v in os.environ.items()
                      if k.startswith(("DLBATCH_", "VLLM_")) or k in ("HF_HUB_OFFLINE", "HF_ENDPOINT")}
+        if self.pd and self.kv_via == "dlslime":  # the job's opt-in alone decides, whatever the nodes' env holds
+            forwarded["DLBATCH_DLSLIME_ALLOW_NETWORK"] = "1" if spec.cluster.dlslime_allow_network else "0"
         startup.start("workers_ready")
         for role, pool in pools.items():
             cls = make_worker_class(role, tensor_transport=use_rdt)
@@ -146,7 +148,8 @@ class WorkerPools:
         from dlbatch.transfer.choose import choose_transport
 
         return choose_transport(self.spec.cluster.kv_transport, self.pools["prefill"].device,
-                                self.pools["decode"].device, probe=probe)
+                                self.pools["decode"].device, probe=probe,
+                                dlslime_allow_network=self.spec.cluster.dlslime_allow_network)
 
     def _probe_devices(self) -> list[dict]:
         """What a worker of each PD pool will see (device after Ray's renumbering, CUDA, RDT),
@@ -255,10 +258,15 @@ class WorkerPools:
 
     # ---- shared memory -------------------------------------------------------------------------
     def _check_shm_same_node(self) -> None:
-        """kv_transport=shm moves KV through one node's /dev/shm: every prefill and decode
-        worker must be on one node. Checked once the workers are up, so a placement across
-        nodes fails the job at start, naming the nodes, not every document later."""
-        if self.kv_via != "shm" or not self.pd:
+        """kv_transport=shm moves KV through one node's /dev/shm, and dlslime without
+        cluster.dlslime_allow_network through loopback endpoints (`choose.one_node_reason`):
+        every prefill and decode worker must be on one node. Checked once the workers are up,
+        so a placement across nodes fails the job at start, naming the nodes, not every
+        document later."""
+        from dlbatch.transfer.choose import one_node_reason
+
+        why = one_node_reason(self.kv_via, self.spec.cluster.dlslime_allow_network)
+        if why is None or not self.pd:
             return
         import ray
 
@@ -269,9 +277,8 @@ class WorkerPools:
                 nodes.setdefault(info.get("node_id") or "?", set()).add(f"{role}[{i}]")
         if len(nodes) > 1:
             where = "; ".join(f"node {n[:12]}: {', '.join(sorted(ws))}" for n, ws in sorted(nodes.items()))
-            raise JobFailed(f"cluster.kv_transport='shm' needs every prefill and decode worker on one node (shared "
-                            f"memory does not cross machines), but they were placed on {len(nodes)} nodes ({where}); "
-                            f"use kv_transport: object_store (or rdt/dlslime), or pools on one node")
+            raise JobFailed(f"cluster.kv_transport={self.kv_via!r} needs every prefill and decode worker on one "
+                            f"node, but they were placed on {len(nodes)} nodes ({where}): {why}; or pools on one node")
         self._shm_cleanup(close=False)  # segments of processes killed in an earlier run
 
     def _shm_cleanup(self, close: bool) -> None:

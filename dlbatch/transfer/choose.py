@@ -8,6 +8,11 @@ This is the one place that knows every transport, so the transports themselves i
 GPU): ``rdt`` when both pools hold device tensors of one device kind and every worker can run
 Ray's direct tensor transport there (``auto_from_workers``), else ``object_store``, which
 works on any Ray cluster. CPU pools never ask their workers: the answer is ``object_store``.
+
+``dlslime`` is never chosen by ``auto``. Its endpoints serve their process's memory to anyone
+who connects, so they listen on loopback unless the job sets ``cluster.dlslime_allow_network``
+(``dlslime_allow_network`` here); without it the prefill and decode workers must share a node
+(``one_node_reason``), and a non-loopback ``DLBATCH_DLSLIME_IP`` is refused at start.
 """
 from __future__ import annotations
 
@@ -20,13 +25,16 @@ TRANSPORT_NAMES = ("auto", "object_store", "shm", "rdt", "dlslime")
 
 
 def get_transport(name: str = "auto", *, same_node: bool = False, device: str = "cpu",
-                  peer_device: str | None = None, ray_handles: bool = True) -> Transport:
+                  peer_device: str | None = None, ray_handles: bool = True,
+                  dlslime_allow_network: bool | None = None) -> Transport:
     """Build a transport by name.
 
     ``auto``: ``rdt`` when both sides hold device tensors (``device`` and ``peer_device``
     not cpu) and RDT is available; ``shm`` when ``same_node`` and no Ray handle is needed
-    (``ray_handles=False``); else ``object_store``. Raises ValueError for an unknown name,
-    TransportUnavailable when the named transport cannot run here (naming what is missing).
+    (``ray_handles=False``); else ``object_store``. Raises ValueError for an unknown name
+    or a dlslime address off loopback without ``dlslime_allow_network`` (None: this process's
+    ``DLBATCH_DLSLIME_ALLOW_NETWORK``), TransportUnavailable when the named transport cannot
+    run here (naming what is missing).
     """
     if name not in TRANSPORT_NAMES:
         raise ValueError(f"unknown KV transport {name!r}; expected one of {TRANSPORT_NAMES}")
@@ -61,10 +69,19 @@ def get_transport(name: str = "auto", *, same_node: bool = False, device: str = 
         return rdt.RDTTransport(device)
     from dlbatch.transfer import dlslime_transport
 
-    reason = dlslime_transport.unavailable_reason()
-    if reason:
-        raise TransportUnavailable(f"the 'dlslime' KV transport is unavailable: {reason}")
-    return dlslime_transport.DLSlimeTransport()
+    return dlslime_transport.DLSlimeTransport(allow_network=dlslime_allow_network)
+
+
+def one_node_reason(kv_via: str, dlslime_allow_network: bool = False) -> str | None:
+    """Why transport ``kv_via`` needs every prefill and decode worker on one node, and what
+    to do instead; None when it crosses nodes."""
+    if kv_via == "shm":
+        return "shared memory does not cross machines; use kv_transport: object_store (or rdt/dlslime)"
+    if kv_via == "dlslime" and not dlslime_allow_network:
+        return ("DLSlime endpoints listen on loopback, since whoever reaches one can read and write the worker's "
+                "memory; use kv_transport: object_store or rdt, or set cluster.dlslime_allow_network: true and "
+                "DLBATCH_DLSLIME_IP on each node (docs/transfer.md says what that exposes)")
+    return None
 
 
 def auto_from_workers(infos: list[dict]) -> tuple[str, str]:
@@ -85,14 +102,16 @@ def auto_from_workers(infos: list[dict]) -> tuple[str, str]:
 
 
 def choose_transport(requested: str, prefill_device: str, decode_device: str,
-                     probe: Callable[[], list[dict]] | None = None) -> tuple[str, str]:
+                     probe: Callable[[], list[dict]] | None = None,
+                     dlslime_allow_network: bool = False) -> tuple[str, str]:
     """The transport of a prefill pool on ``prefill_device`` and a decode pool on
     ``decode_device``: (name, why). ``requested`` is the job's ``cluster.kv_transport``.
 
     ``auto`` on two device pools calls ``probe()`` for the workers' reports (see
     ``auto_from_workers``); on CPU pools it is ``object_store``. An explicit choice is checked
     here so a job fails before any work starts, naming what is missing (ValueError); ``rdt``
-    between device pools is checked by the workers themselves when the group forms."""
+    between device pools is checked by the workers themselves when the group forms; ``dlslime``
+    with ``DLBATCH_DLSLIME_IP`` off loopback needs ``dlslime_allow_network``."""
     if requested not in TRANSPORT_NAMES:
         raise ValueError(f"unknown KV transport {requested!r}; expected one of {TRANSPORT_NAMES}")
     on_devices = not prefill_device.startswith("cpu") and not decode_device.startswith("cpu")
@@ -105,7 +124,8 @@ def choose_transport(requested: str, prefill_device: str, decode_device: str,
                          f"(one collective backend), got {prefill_device!r} and {decode_device!r}; use object_store")
     if requested in ("rdt", "dlslime", "shm") and not (requested == "rdt" and on_devices):
         try:
-            get_transport(requested, same_node=True, device=prefill_device, peer_device=decode_device)
+            get_transport(requested, same_node=True, device=prefill_device, peer_device=decode_device,
+                          dlslime_allow_network=dlslime_allow_network)
         except Exception as e:
             raise ValueError(f"cluster.kv_transport={requested!r} cannot run here: {e}") from None
     return requested, "asked for by the job"

@@ -17,14 +17,30 @@ Invariants: a buffer is reused only after the receiver's ack, ``abort()`` or the
 (``DLBATCH_DLSLIME_LEASE_S``); its generation is cleared first, so a late receiver gets
 "reused", never another payload. Every wait runs under the receive timeout; a dead sender is
 ``SenderDied`` at the next read. The sender must outlive the receive (``wait_received``).
-Limits: anyone who can reach the sender's port can read and write its memory (bind
-127.0.0.1 or a private network); sender buffers are not registered (0.1.23 cannot
-unregister); bounded pools and unacknowledged transfers (``DLBATCH_DLSLIME_*``); RDMA and
-NVLink endpoints are not wired.
+Exposure: DLSlime's TCP server serves a READ or WRITE of any address of this process to
+whoever connects; it has no handshake, no peer check and no bounds (``csrc/engine/tcp``).
+So an endpoint is as open as the address it listens on, and nothing here can narrow that: a
+secret checked by our receiver would not stop a peer that speaks the wire protocol directly,
+and that peer could read the secret out of this process. What is enforced instead:
+
+- an endpoint listens on a loopback address unless ``allow_network`` (the job's
+  ``cluster.dlslime_allow_network``, which the driver hands its workers as
+  ``DLBATCH_DLSLIME_ALLOW_NETWORK=1``); any other address (``DLBATCH_DLSLIME_IP``) is
+  refused, naming that setting. Every local user of the node can still reach a loopback
+  endpoint: docs/transfer.md says what that exposes.
+- a receiver only follows a handle whose endpoint it can reach without the network: a
+  loopback endpoint in its own loopback scope (same kernel boot and network namespace,
+  ``loopback_scope()``), else a network endpoint only under ``allow_network``. A loopback
+  handle from another node is refused before anything connects (the same port on this node
+  may be another process's endpoint).
+
+Limits: sender buffers are not registered (0.1.23 cannot unregister); bounded pools and
+unacknowledged transfers (``DLBATCH_DLSLIME_*``); RDMA and NVLink endpoints are not wired.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import multiprocessing.util
 import os
 import secrets
@@ -68,6 +84,8 @@ POOL_MAX_BYTES = int(os.environ.get("DLBATCH_DLSLIME_POOL_BYTES", str(3 << 30)))
 RX_POOL_MAX_BUFFERS = int(os.environ.get("DLBATCH_DLSLIME_RX_POOL_BUFFERS", "4"))
 RX_POOL_MAX_BYTES = int(os.environ.get("DLBATCH_DLSLIME_RX_POOL_BYTES", str(2 << 30)))
 DEFAULT_IP = os.environ.get("DLBATCH_DLSLIME_IP", "127.0.0.1")  # the sender endpoint's address
+ALLOW_NETWORK_ENV = "DLBATCH_DLSLIME_ALLOW_NETWORK"  # "1": endpoints may listen off loopback (set by the driver)
+ALLOW_NETWORK_SETTING = "cluster.dlslime_allow_network"  # the job's opt-in, named in every refusal
 CONNECT_TIMEOUT_S = 10.0  # reachability check before dlslime's own (blocking, untimed) connect
 ACK_TIMEOUT_S = 1.0  # how long release() waits for its ack write to leave
 _PREFIX_OFF = 64  # where the receiver keeps its copy of the sender's header + table in its control buffer
@@ -103,6 +121,49 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def network_allowed() -> bool:
+    """This process's opt-in to endpoints off loopback (``DLBATCH_DLSLIME_ALLOW_NETWORK=1``)."""
+    return os.environ.get(ALLOW_NETWORK_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address, or a name whose every address is loopback."""
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def loopback_scope() -> str:
+    """Who shares this process's loopback interface: one kernel boot and one network namespace
+    (containers on one host share the boot, not the namespace). The hostname where /proc
+    cannot tell."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/net')}"
+    except OSError:
+        return f"host:{socket.gethostname()}"
+
+
+def check_listen_address(ip: str, allow_network: bool) -> None:
+    """Refuse an endpoint address off loopback unless the job opted in (ValueError naming the setting)."""
+    if allow_network or is_loopback(ip):
+        return
+    raise ValueError(
+        f"the dlslime sender endpoint would listen on {ip!r} (DLBATCH_DLSLIME_IP), which is not a loopback "
+        f"address: DLSlime's TCP endpoint lets anyone who connects read and write this worker's memory "
+        f"(prompts, KV, and with that a way to run code as the job's user), with no authentication. "
+        f"Leave DLBATCH_DLSLIME_IP unset (127.0.0.1, prefill and decode on one node), or set "
+        f"{ALLOW_NETWORK_SETTING}: true to accept that exposure on a private network (docs/transfer.md)"
+    )
+
+
 def _check_bindable(ip: str) -> None:
     """dlslime only logs a failed bind, and its listen() then binds every interface: check first."""
     if ip in ("", "0.0.0.0", "::"):
@@ -135,6 +196,7 @@ class DLSlimeHandle:
     size: int  # bytes of that layout
     slot_addr: int  # this transfer's control slot (SLOT_SIZE bytes)
     generation: int
+    scope: str = ""  # the sender's loopback_scope(): who can reach a loopback endpoint
 
     @property
     def where(self) -> str:
@@ -178,11 +240,13 @@ class _SenderState(BufferPool[_Buf]):
         self.results: dict[int, str] = {}  # generation -> how its buffer came back (the last _KEEP_RESULTS)
         self.returns = {"received": 0, "abandoned": 0, "lease": 0, "aborted": 0}
         self.node = socket.gethostname()
+        self.scope = loopback_scope()
         multiprocessing.util.Finalize(self, _SenderState.shutdown, args=(self,), exitpriority=10)
 
-    def endpoint(self, ip: str):
+    def endpoint(self, ip: str, allow_network: bool = False):
         import dlslime
 
+        check_listen_address(ip, allow_network)  # also for a cached endpoint: the caller's opt-in decides
         with self.lock:
             ep = self.endpoints.get(ip)
             if ep is None:
@@ -365,13 +429,15 @@ def shutdown() -> None:
 
 
 class DLSlimeSender(KVSender):
-    def __init__(self, meta: KVMeta, verify: bool = True, ip: str | None = None):
+    """``allow_network``: may the endpoint listen off loopback (None: ``network_allowed()``)."""
+
+    def __init__(self, meta: KVMeta, verify: bool = True, ip: str | None = None, allow_network: bool | None = None):
         ip = ip or DEFAULT_IP
         self.meta = meta.without_checksums()
         self.verify = verify
         self._layout = buffer_layout(self.meta)
         st = _state()
-        ep = st.endpoint(ip)
+        ep = st.endpoint(ip, network_allowed() if allow_network is None else allow_network)
         info = ep.endpoint_info()
         self._buf = st.acquire(self._layout.total_size)
         try:
@@ -382,7 +448,7 @@ class DLSlimeSender(KVSender):
             raise
         self._handle = DLSlimeHandle(
             self.meta, str(info["host"]), int(info["port"]), os.getpid(), st.node, self._mem.ctypes.data,
-            self._layout.total_size, st.slot_addr(self._buf), self._buf.gen,
+            self._layout.total_size, st.slot_addr(self._buf), self._buf.gen, st.scope,
         )
         self._sent: set[int] = set()
         self._open = True
@@ -509,11 +575,32 @@ class _Read:
         self.i, self.fut, self.dst, self.direct, self.nbytes = i, None, dst, direct, nbytes
 
 
+def check_reachable(handle: DLSlimeHandle, allow_network: bool) -> None:
+    """Refuse (TransportUnavailable) a handle whose endpoint this process must not connect to:
+    a loopback endpoint of another loopback scope (another node: the same port here may be
+    another process's endpoint), or a network endpoint without the job's opt-in."""
+    if is_loopback(handle.host):
+        if handle.scope and handle.scope != loopback_scope():
+            raise TransportUnavailable(
+                f"{handle.where} listens on loopback of another node (or network namespace) than this receiver "
+                f"on {socket.gethostname()}: loopback does not cross nodes. Place the prefill and decode pools on "
+                f"one node, or set {ALLOW_NETWORK_SETTING}: true and DLBATCH_DLSLIME_IP to each node's "
+                f"private address (docs/transfer.md says what that exposes)"
+            )
+        return
+    if not allow_network:
+        raise TransportUnavailable(
+            f"{handle.where} listens on a network address; this receiver connects to loopback endpoints only "
+            f"unless the job sets {ALLOW_NETWORK_SETTING}: true (docs/transfer.md says what that exposes)"
+        )
+
+
 class DLSlimeReceiver(KVReceiver):
     """Reads a sender's buffer layer by layer. Views yielded without ``out`` live in a pooled
-    staging buffer: valid until ``release``."""
+    staging buffer: valid until ``release``. ``allow_network``: may it connect to an endpoint
+    off loopback (None: ``network_allowed()``)."""
 
-    def __init__(self, handle: DLSlimeHandle, verify: bool = True):
+    def __init__(self, handle: DLSlimeHandle, verify: bool = True, allow_network: bool | None = None):
         import dlslime
 
         if not isinstance(handle, DLSlimeHandle):
@@ -522,6 +609,7 @@ class DLSlimeReceiver(KVReceiver):
         self._released = False
         self._stage: np.ndarray | None = None
         self._pending: _Read | None = None
+        check_reachable(handle, network_allowed() if allow_network is None else allow_network)
         self.handle = handle
         self.meta = handle.meta
         self.verify = verify
@@ -769,19 +857,23 @@ class DLSlimeReceiver(KVReceiver):
 
 class DLSlimeTransport(Transport):
     """``ip``: the address the sender endpoint binds and puts in its handles (default
-    ``$DLBATCH_DLSLIME_IP`` or 127.0.0.1; across nodes, this node's private-network address)."""
+    ``$DLBATCH_DLSLIME_IP`` or 127.0.0.1; across nodes, this node's private-network address).
+    ``allow_network``: the job's opt-in to an endpoint off loopback (None:
+    ``$DLBATCH_DLSLIME_ALLOW_NETWORK``); without it a non-loopback ``ip`` is refused here."""
 
     name = "dlslime"
 
-    def __init__(self, ip: str | None = None):
+    def __init__(self, ip: str | None = None, allow_network: bool | None = None):
         ip = ip or DEFAULT_IP
+        self.allow_network = network_allowed() if allow_network is None else bool(allow_network)
+        check_listen_address(ip, self.allow_network)
         reason = unavailable_reason()
         if reason:
             raise TransportUnavailable(f"the 'dlslime' KV transport is unavailable: {reason}")
         self.ip = ip
 
     def open_sender(self, meta: KVMeta, *, verify: bool | None = None) -> DLSlimeSender:
-        return DLSlimeSender(meta, True if verify is None else verify, self.ip)
+        return DLSlimeSender(meta, True if verify is None else verify, self.ip, self.allow_network)
 
     def open_receiver(self, handle: DLSlimeHandle, *, verify: bool | None = None) -> DLSlimeReceiver:
-        return DLSlimeReceiver(handle, True if verify is None else verify)
+        return DLSlimeReceiver(handle, True if verify is None else verify, self.allow_network)
