@@ -46,7 +46,7 @@ from pydantic import (
     model_validator,
 )
 
-from dlbatch.prompts.templates import TemplateError, validate_template
+from dlbatch.prompts.templates import TemplateError, check_template
 
 __all__ = [
     "JobSpecError",
@@ -132,6 +132,37 @@ def _check_local_output(raw: str, resolved: str) -> None:
             raise ValueError(f"{raw!r} resolves to {real!r}, which {rel} {what}; {_OUT_HINT}")
 
 
+def _local_path(path: str) -> Optional[str]:
+    """The local filesystem path of a plain path or ``file://`` URL; None for other URLs."""
+    if not is_url(path):
+        return path
+    scheme, rest = path.split("://", 1)
+    return _resolve_local(rest or "/") if scheme.lower() in ("file", "local") else None
+
+
+def _is_inside(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or below it (local paths by their real path, URLs by text)."""
+    a, b = _local_path(path), _local_path(folder)
+    if a is not None and b is not None:
+        return _is_same_or_ancestor(b, a)
+    if a is not None or b is not None:
+        return False
+    a, b = path.rstrip("/"), folder.rstrip("/")
+    return a == b or a.startswith(b + "/")
+
+
+def _input_folder(spec: "JobSpec") -> Optional[str]:
+    """The folder input.path lists: the path itself when it is a folder (or a URL prefix),
+    the part before the first glob character for a glob; None for one file."""
+    path = spec.input.path
+    if re.search(r"[*?\[]", path):
+        return path[: re.search(r"[*?\[]", path).start()].rsplit("/", 1)[0] or "/"
+    local = _local_path(path)
+    if local is not None:
+        return None if os.path.isfile(local) else local  # a folder, or one that does not exist yet
+    return path if spec.input.format != "hf" or "://" in path else None
+
+
 _OUT_HINT = "the output directory is deleted by --fresh, so use a dedicated subdirectory such as 'out/<job>'"
 
 
@@ -195,7 +226,12 @@ class OutputSpec(BaseModel):
     @field_validator("path")
     @classmethod
     def _confine(cls, value: str) -> str:
-        return _normalize_output_path(value)
+        path = _normalize_output_path(value)
+        local = _local_path(path)
+        if local is not None and os.path.exists(local) and not os.path.isdir(local):
+            raise ValueError(f"{value!r} is an existing file; the output is a directory of Parquet parts: "
+                             "name a directory (new or existing)")
+        return path
 
 
 class ModelSpec(BaseModel):
@@ -291,7 +327,7 @@ class TaskSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_template(self) -> "TaskSpec":
-        validate_template(self.name, self.prompt)
+        check_template(self.name, self.prompt)
         return self
 
 
@@ -316,8 +352,8 @@ class ChunkingSpec(BaseModel):
     def _check(self) -> "ChunkingSpec":
         from dlbatch.prompts.longdoc import MAP_VARIABLES, REDUCE_VARIABLES
 
-        validate_template("map_prompt", self.map_prompt, MAP_VARIABLES)
-        validate_template("reduce_prompt", self.reduce_prompt, REDUCE_VARIABLES)
+        check_template("map_prompt", self.map_prompt, MAP_VARIABLES)
+        check_template("reduce_prompt", self.reduce_prompt, REDUCE_VARIABLES)
         if self.chunk_tokens is not None and self.overlap_tokens > self.chunk_tokens // 4:
             raise ValueError(f"overlap_tokens {self.overlap_tokens} must be at most chunk_tokens / 4 "
                              f"({self.chunk_tokens // 4})")
@@ -590,8 +626,64 @@ def parse_job(data: Mapping[str, Any], source: str = "<dict>") -> JobSpec:
         spec = JobSpec.model_validate(dict(data))
     except ValidationError as e:
         raise JobSpecError(source, [_problem_from_error(err) for err in e.errors()]) from None
+    problems = _cross_problems(spec, _declared_context(spec.model))
+    if problems:
+        raise JobSpecError(source, problems)
     spec._source = source
     return spec
+
+
+def _declared_context(model: ModelSpec) -> tuple[int, str]:
+    """The job's max_model_len as the job file says it, without the model: model.max_model_len,
+    else the engines' cap on a model's own context (DEFAULT_MAX_MODEL_LEN)."""
+    if model.max_model_len:
+        return model.max_model_len, "model.max_model_len"
+    from dlbatch.engine.config import DEFAULT_MAX_MODEL_LEN
+
+    return DEFAULT_MAX_MODEL_LEN, "the engines' default max_model_len"
+
+
+def model_context(model: ModelSpec) -> tuple[int, str]:
+    """The max_model_len the workers will use, known without loading weights where that is
+    cheap: model.max_model_len; else the model's context from its config.json (a folder or a
+    Hub snapshot in the cache), at most DEFAULT_MAX_MODEL_LEN; else (a GGUF not converted
+    yet, a remote model, a model not found here) that cap, an upper bound."""
+    declared = _declared_context(model)
+    if model.max_model_len or is_url(model.name):
+        return declared
+    try:
+        from dlbatch.engine.loader import context_length, resolve_model
+
+        folder = resolve_model(model.ref)
+        if not os.path.isdir(folder):
+            return declared
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            context = context_length(json.load(f))
+    except Exception:  # the run reports a model it cannot find or read, naming it
+        return declared
+    if context < declared[0]:
+        return context, f"the model's context ({model.name!r} config.json)"
+    return declared
+
+
+def _cross_problems(spec: JobSpec, context: tuple[int, str]) -> list[tuple[str, str]]:
+    """Problems between sections: an output folder inside the input folder (its parts would
+    be read back as inputs), a task's max_tokens that leaves no room for a prompt in the
+    model's context (every document would be a dead letter)."""
+    problems = []
+    folder = _input_folder(spec)
+    if folder is not None and _is_inside(spec.output.path, folder):
+        problems.append(("output.path", f"{spec.output.path!r} is inside input.path {spec.input.path!r}: "
+                                        "the outputs would be read back as inputs; write them elsewhere"))
+    limit, what = context
+    budgets = [(f"tasks.{i}.max_tokens", t.max_tokens) for i, t in enumerate(spec.tasks)]
+    if "chunk" in {spec.long_inputs, *(t.long_inputs for t in spec.tasks)}:
+        budgets.append(("chunking.map_max_tokens", spec.chunking.map_max_tokens))
+    for key, n in budgets:
+        if n >= limit:
+            problems.append((key, f"{n} leaves no room for a prompt in max_model_len {limit} ({what}); "
+                                  f"max_tokens must be below it, with room for the document"))
+    return problems
 
 
 def _read_text(source: str, storage_options: Optional[Mapping[str, Any]] = None) -> str:
@@ -618,7 +710,9 @@ def load_job(
 ) -> JobSpec:
     """Read a YAML job file (local path or fsspec URL), apply ``--set`` overrides, validate.
 
-    Only ``yaml.safe_load`` is used: tags such as ``!!python/object`` are errors.
+    Only ``yaml.safe_load`` is used: tags such as ``!!python/object`` are errors. Besides the
+    checks of :func:`parse_job`, a task's max_tokens is checked against the model's own
+    context (:func:`model_context`) when model.max_model_len is not set.
     """
     source = os.fspath(path_or_url)
     text = _read_text(source, storage_options)
@@ -640,7 +734,12 @@ def load_job(
         data = inline_schema_files(data, source)
     except ValueError as e:
         raise JobSpecError(source, [("tasks", str(e))]) from None
-    return parse_job(data, source=source)
+    spec = parse_job(data, source=source)
+    if not spec.model.max_model_len:  # the model's own context, where its config.json says it
+        problems = _cross_problems(spec, model_context(spec.model))
+        if problems:
+            raise JobSpecError(source, problems)
+    return spec
 
 
 def inline_schema_files(data: dict, job_source: str) -> dict:
