@@ -20,7 +20,16 @@ current working directory at load time (``~`` is expanded); URLs
 For ``input.format: hf`` the path is a dataset name unless it exists locally.
 ``output.path`` must not be a directory whose deletion (``--fresh``) would be
 a disaster: empty, ``/``, ``~``, the home directory, the working directory or
-any directory above them, or the root of a bucket.
+any directory above them, or the root of a bucket. It must not be an existing
+file, nor the input folder or a folder inside it (its parts would be read back
+as inputs).
+
+Checks across sections run after the models validate (:func:`parse_job`): the
+output folder against the input folder, and every task's ``max_tokens`` below
+the job's ``max_model_len``. :func:`load_job` also reads the model's own context
+from its ``config.json`` when ``model.max_model_len`` is not set
+(:func:`model_context`). Prompt templates are compiled and rendered once against
+a sample document (`dlbatch.prompts.templates.check_template`).
 """
 from __future__ import annotations
 
