@@ -1,38 +1,120 @@
 """Parse one input file into documents, as a Ray Data ``flat_map`` stage.
 
-A file the reader cannot handle becomes one error row (``error``, ``error_type``) that the
-prompt stage turns into a dead letter: bad content never raises. Infrastructure errors
-(the file vanished, no permission) do raise, after the I/O retries, and fail the job.
-The structure of a PDF (abstract, sections, references) travels as one JSON string:
-Arrow schemas of list-of-struct columns differ between blocks with and without sections.
+Nothing a file holds can fail the job; what the file cannot give becomes a row with ``error``
+and ``error_type`` that the prompt stage turns into a dead letter:
+
+* bad content (a corrupt or encrypted PDF, a bad JSONL line): the readers' error rows
+  (`connectors.records`); any other exception of a reader: one row naming it;
+* a PDF is parsed in a parser process (`connectors.isolate`): a crash of MuPDF
+  (``ParseCrashed``, with the signal), a parse running past ``parse_timeout_s`` seconds
+  (``ParseTimeout``) or past ``parse_memory_mb`` MiB of address space (``ParseMemoryExceeded``)
+  costs that file only. A PDF or text file larger than ``max_file_bytes`` is not read
+  (``FileTooLarge``, naming its size and the cap); ``max_pages`` caps the pages read of a PDF;
+* strings Arrow cannot encode (lone surrogates) are repaired (`connectors.repair`).
+
+Record files (JSONL, Parquet, datasets) are read in this process: their parsers are Python's
+``json`` and pyarrow, whose failures are Python exceptions that become error rows line by line,
+and one such file is a whole data set, so a per-file time or memory cap would fail healthy
+large files. Text files are decoded here too, under the byte cap.
+
+A dead letter's ``doc_id`` is stable: the hash of the PDF's bytes, else of the file's URL. Its
+``source`` is the file's URL, so a rerun of a PDF or text job finds the file done and does not
+parse it again; a record file is parsed again and its dead-lettered ids are skipped.
+
+Infrastructure errors (the file vanished, no permission, a parser process that cannot start)
+raise, after the I/O retries, and fail the job. The structure of a PDF (abstract, sections,
+references) travels as one JSON string: Arrow schemas of list-of-struct columns differ between
+blocks with and without sections.
 """
 from __future__ import annotations
 
 import json
+import os
+
+from .repair import repair_row, repair_text
 
 STRUCTURE_KEYS = ("abstract", "sections", "references", "references_span")
 
+# the defaults of input.max_file_bytes, input.parse_timeout_s and input.parse_memory_mb
+MAX_FILE_BYTES = 256 << 20
+PARSE_TIMEOUT_S = 300.0
+PARSE_MEMORY_MB = 4096
+
+PDF_EXTRACT = "connectors.pdf:extract_pdf"   # what the parser process runs on a PDF's bytes
+# fault drills only: "module:function" run instead of PDF_EXTRACT (a parser that crashes or
+# hangs on chosen files); unset in every real job
+TEST_PARSER_ENV = "DLBATCH_TEST_PDF_PARSER"
+PDF_PRELOAD = ("pymupdf", "connectors.pdf")  # imported when the parser process starts
+FILE_TOO_LARGE = "FileTooLarge"
+CAPPED_FORMATS = ("pdf", "text")  # one document per file: the byte cap applies
+
 
 def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, storage_options: dict | None,
-               max_pages: int | None) -> list[dict]:
+               max_pages: int | None, *, max_file_bytes: int | None = MAX_FILE_BYTES,
+               parse_timeout_s: float = PARSE_TIMEOUT_S, parse_memory_mb: int | None = PARSE_MEMORY_MB) -> list[dict]:
     """One input file (``row["url"]``) -> its documents, error rows for bad ones."""
-    from connectors.listing import read_document_file
+    from .isolate import ParserUnavailable
+    from .listing import read_document_file
+    from .records import error_row
 
     url = row["url"]
-    out = []
     try:
-        for doc in read_document_file(url, fmt, text_field=text_field, id_field=id_field,
-                                      storage_options=storage_options, max_pages=max_pages):
-            out.append(doc)
-    except (FileNotFoundError, PermissionError):
+        too_large = _too_large(url, fmt, storage_options, max_file_bytes)
+        if too_large is not None:
+            out = [too_large]
+        elif fmt == "pdf":
+            out = [_parse_pdf(url, storage_options, max_pages, parse_timeout_s, parse_memory_mb, max_file_bytes)]
+        else:
+            first = {"max_rows": row["max_rows"]} if row.get("max_rows") is not None else {}  # input.limit's cut
+            out = list(read_document_file(url, fmt, text_field=text_field, id_field=id_field,
+                                          storage_options=storage_options, max_pages=max_pages, **first))
+    except (FileNotFoundError, PermissionError, ParserUnavailable):
         raise
     except Exception as e:  # a file the reader cannot handle becomes a dead letter
-        from connectors.ids import content_id
+        out = [error_row(source=url, error_type=type(e).__name__, error=f"{type(e).__name__}: {e}"[:500])]
+    return [_row(d) for d in out]
 
-        out.append({"doc_id": content_id(url.encode()), "source": url, "text": "", "title": None, "pages": None,
-                    "error": f"{type(e).__name__}: {e}"[:500], "error_type": type(e).__name__})
-    return [{"doc_id": str(d["doc_id"]), "source": str(d["source"]), "text": d.get("text") or "",
-             "title": d.get("title"), "pages": d.get("pages"), "error": d.get("error"),
-             "error_type": d.get("error_type"),
-             "structure": json.dumps({k: d[k] for k in STRUCTURE_KEYS}) if "sections" in d else None}
-            for d in out]
+
+def _row(d: dict) -> dict:
+    structure = None
+    if "sections" in d:  # as JSON text with the characters as they are, then repaired like any string
+        structure = repair_text(json.dumps({k: d[k] for k in STRUCTURE_KEYS}, ensure_ascii=False))
+    return repair_row({"doc_id": str(d["doc_id"]), "source": str(d["source"]), "text": d.get("text") or "",
+                       "title": d.get("title"), "pages": d.get("pages"), "error": d.get("error"),
+                       "error_type": d.get("error_type"), "structure": structure})
+
+
+def _too_large(url: str, fmt: str, storage_options: dict | None, max_file_bytes: int | None) -> dict | None:
+    """A FileTooLarge row when a PDF or text file is over the cap (its size read before its bytes)."""
+    if max_file_bytes is None or fmt not in CAPPED_FORMATS:
+        return None
+    from .io_retry import call_with_retry
+    from .listing import _url_to_fs
+    from .records import error_row
+
+    fs, path = _url_to_fs(url, storage_options)
+    size = call_with_retry(fs.size, path, op=f"size {url}")
+    if size is None or size <= max_file_bytes:
+        return None
+    return error_row(source=url, error_type=FILE_TOO_LARGE,
+                     error=f"the file is {size} bytes, over input.max_file_bytes={max_file_bytes}; not read")
+
+
+def _parse_pdf(url: str, storage_options: dict | None, max_pages: int | None, timeout_s: float,
+               memory_mb: int | None, max_file_bytes: int | None) -> dict:
+    """Read the PDF here (I/O retries, credentials), extract it in a parser process."""
+    from .io_retry import call_with_retry
+    from .isolate import ParseFailed, run
+    from .listing import _url_to_fs
+    from .records import error_row
+
+    fs, path = _url_to_fs(url, storage_options)
+    data = call_with_retry(fs.cat_file, path, op=f"read {url}")
+    if max_file_bytes is not None and len(data) > max_file_bytes:  # grew since its size was read
+        return error_row(source=url, error_type=FILE_TOO_LARGE,
+                         error=f"the file is {len(data)} bytes, over input.max_file_bytes={max_file_bytes}; not read")
+    try:
+        return run(os.environ.get(TEST_PARSER_ENV) or PDF_EXTRACT, (data, url), {"max_pages": max_pages}, timeout_s=timeout_s, memory_mb=memory_mb,
+                   preload=PDF_PRELOAD)
+    except ParseFailed as e:
+        return error_row(source=url, raw=data, error_type=e.error_type, error=f"{e.error_type}: {e.message}"[:500])

@@ -1,7 +1,9 @@
 """PDF -> one row of clean text, with pymupdf.
 
 ``extract_pdf(data, source, max_pages=None)`` never raises on bad input: encrypted,
-corrupt/truncated, empty and image-only PDFs become error rows (see records.py).
+corrupt/truncated, empty and image-only PDFs become error rows (see records.py). Running out of
+memory raises MemoryError (MuPDF's failed allocations too): it says nothing about the file
+being damaged, and `connectors.parse` runs this in a parser process with a memory cap.
 
 What it does to a readable PDF, page by page (``page.get_text("dict")``):
 
@@ -368,16 +370,29 @@ def extract_pdf(data: bytes, source: str, max_pages: int | None = None) -> dict:
     try:
         doc = pymupdf.open(stream=data, filetype="pdf")
     except Exception as exc:  # pymupdf raises FileDataError and friends
+        _raise_if_out_of_memory(exc)
         return error_row(source=source, raw=data, error_type=CORRUPT_PDF,
                          error=f"cannot open PDF: {_short(exc)}")
     try:
         return _extract_open(doc, data, source, max_pages, pymupdf)
     except Exception as exc:  # anything MuPDF throws mid-way on a damaged file
+        _raise_if_out_of_memory(exc)
         log.warning("PDF extraction failed for %s: %s", source, exc)
         return error_row(source=source, raw=data, error_type=CORRUPT_PDF,
                          error=f"PDF extraction failed: {_short(exc)}")
     finally:
         doc.close()
+
+
+def _raise_if_out_of_memory(exc: BaseException) -> None:
+    """Memory exhaustion is not a damaged file: raise it as MemoryError (the parser process
+    reports ParseMemoryExceeded) instead of a CorruptPDF row or a silently dropped page.
+    MuPDF reports a failed allocation as ``FzErrorSystem: ... malloc (N bytes) failed``."""
+    if isinstance(exc, MemoryError):
+        raise exc
+    text = str(exc)
+    if ("malloc" in text and "failed" in text) or "out of memory" in text.lower():
+        raise MemoryError(_short(exc)) from exc
 
 
 def _short(exc: BaseException, limit: int = 200) -> str:
@@ -411,6 +426,7 @@ def _extract_open(doc, data: bytes, source: str, max_pages: int | None, pymupdf)
             images += len(page.get_images(full=False))
             pages.append((page.rect.height, _page_blocks(page_dict)))
         except Exception as exc:
+            _raise_if_out_of_memory(exc)
             page_failures.append(f"page {index + 1}: {_short(exc, 80)}")
             pages.append((792.0, []))
     if page_failures and len(page_failures) == limit:

@@ -211,7 +211,12 @@ class InputSpec(BaseModel):
     id_field: Optional[str] = None
     limit: Optional[int] = Field(None, ge=1)
     storage_options: dict[str, Any] = Field(default_factory=dict)
-    max_pages: Optional[int] = Field(None, ge=1)
+    # Caps on one file's parse (connectors/parse.py): none stops the job; what goes past one is
+    # that file's dead letter, naming the cap. The same defaults are connectors.parse's.
+    max_pages: Optional[int] = Field(1000, ge=1)  # a PDF's first N pages are read; null: every page
+    max_file_bytes: Optional[int] = Field(256 << 20, ge=1)  # larger PDF/text files: FileTooLarge; null: no cap
+    parse_timeout_s: float = Field(300.0, gt=0)  # wall time of one PDF's parse: ParseTimeout
+    parse_memory_mb: Optional[int] = Field(4096, ge=512)  # the PDF parser process's address space; null: no cap
 
     @field_validator("path")
     @classmethod
@@ -910,7 +915,11 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
         "input.path": spec.input.path,
         "input.text_field": spec.input.text_field,
         "input.id_field": spec.input.id_field,
-        "input.max_pages": spec.input.max_pages,
+        # the default page cap counts as no cap: they differ only on PDFs over 1000 pages, and
+        # outputs written when no cap was the default keep resuming. The other parse caps only
+        # decide which files are dead letters, never a row's content: left out.
+        "input.max_pages": None if spec.input.max_pages == InputSpec.model_fields["max_pages"].default
+        else spec.input.max_pages,
         "output.include_text": spec.output.include_text,
         "tasks": [t.name for t in spec.tasks],
     }

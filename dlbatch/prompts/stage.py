@@ -4,6 +4,13 @@ tokenized), with the long-input policy applied.
 `PromptStage` is a callable class over Arrow batches, so Ray Data runs it in its actors
 (``map_batches``) and unit tests call ``process(doc)`` directly, without Ray. A document's
 rows stay together and start with the document, so its tasks share it as prefix.
+
+No document fails the batch: whatever raises while a document's prompts are built (a task's
+template, the tokenizer, the long-input policy, a bug) becomes an error row for that
+document or task, which the driver dead-letters, and the other documents of the batch go on.
+Strings Arrow cannot encode (lone surrogates) are repaired before anything else, as the
+parse stage does (`connectors.repair`: ids escaped, text replaced), so the ids the skip set
+holds and the ids of the rows are the same on every run.
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ import json
 import logging
 
 from connectors.parse import STRUCTURE_KEYS
+from connectors.repair import repair_row, repair_text
 
 log = logging.getLogger("dlbatch.prompts.stage")
 
@@ -89,12 +97,30 @@ class PromptStage:
         rows = batch.to_pylist() if hasattr(batch, "to_pylist") else batch
         out: list[dict] = []
         for doc in rows:
+            doc = repair_row(doc)
             if doc["doc_id"] in self.skip:
                 continue
-            out.extend(self.process(doc))
-        return pa.Table.from_pylist(out, schema=request_schema())
+            out.extend(self._guarded(doc))
+        try:
+            return pa.Table.from_pylist(out, schema=request_schema())
+        except UnicodeError:  # a string made here (a task name, a message) Arrow cannot encode
+            return pa.Table.from_pylist([repair_row(r) for r in out], schema=request_schema())
 
     def process(self, doc: dict) -> list[dict]:
+        """A document's request rows (see `_process`); never raises for a document."""
+        return self._guarded(repair_row(doc))
+
+    def _guarded(self, doc: dict) -> list[dict]:
+        try:
+            return self._process(doc)
+        except Exception as e:  # noqa: BLE001 - the document's dead letter, not the batch's failure
+            log.warning("prompt building failed for %s: %s: %s", doc.get("doc_id"), type(e).__name__, e)
+            base = {"doc_id": str(doc.get("doc_id")), "source": str(doc.get("source")), "title": doc.get("title"),
+                    "pages": doc.get("pages"),
+                    "text": doc.get("text") if self.spec.output.include_text else None}
+            return [self._error(base, "prompt", type(e).__name__, f"prompt building failed: {e}"[:500])]
+
+    def _process(self, doc: dict) -> list[dict]:
         """A document's request rows, one per task. A task whose prompt cannot be rendered
         becomes an error row naming the task (the other tasks go on); if every task fails,
         or the document itself is bad, one error row for the document (task None). Tasks
@@ -227,7 +253,7 @@ class PromptStage:
     @staticmethod
     def _error(base: dict, stage: str, etype: str, msg: str) -> dict:
         return {**base, "task": None, "task_index": -1, "prompt_ids": [], "max_tokens": 0, "truncated": False,
-                "seed": 0, "stage": stage, "error_type": etype, "error": msg, **_NO_MARK}
+                "seed": 0, "stage": stage, "error_type": etype, "error": repair_text(msg), **_NO_MARK}
 
 
 _NO_MARK = {"long_input_policy": None, "doc_tokens": None, "kept_tokens": None, "chunk_index": None,
