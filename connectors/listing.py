@@ -24,6 +24,7 @@ from typing import Iterator
 
 from .io_retry import call_with_retry
 from .records import DuplicateIds
+from .secrets import resolve_options
 
 FORMAT_EXTENSIONS: dict[str, tuple[str, ...]] = {
     "pdf": (".pdf",),
@@ -45,9 +46,10 @@ def _check_format(format: str) -> tuple[str, ...]:
 
 
 def _url_to_fs(path: str, storage_options: dict | None):
+    """``storage_options``: a dict or `secrets.seal`'s ref; ``${env:NAME}`` values resolved here."""
     import fsspec
 
-    return fsspec.core.url_to_fs(path, **(storage_options or {}))
+    return fsspec.core.url_to_fs(path, **resolve_options(storage_options))
 
 
 def _public(fs, p: str) -> str:
@@ -145,6 +147,7 @@ def read_document_file(url: str, format: str, text_field: str = "text", id_field
 def _read_rows(url: str, format: str, text_field: str, id_field: str | None, storage_options: dict | None, *,
                max_pages: int | None, errors: str, title_field: str | None, split: str | None) -> Iterator[dict]:
     _check_format(format)
+    storage_options = resolve_options(storage_options)  # once, for the readers given the options too
     fs, fspath = _url_to_fs(url, storage_options)
     if format == "pdf":
         from .pdf import extract_pdf

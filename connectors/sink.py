@@ -38,9 +38,12 @@ COMPACT_DIR = "_compact"
 
 
 def _url_to_fs(url: str, storage_options: dict | None):
+    """``${env:NAME}`` values of ``storage_options`` resolved here (`connectors.secrets`)."""
     import fsspec
 
-    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    from .secrets import resolve_options
+
+    return fsspec.core.url_to_fs(url, **resolve_options(storage_options))
 
 
 def _join(root: str, name: str) -> str:

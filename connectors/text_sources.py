@@ -39,7 +39,9 @@ def _fs_for(path: str, fs, storage_options: dict | None = None):
         return fs
     import fsspec
 
-    fs, _ = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    from .secrets import resolve_options
+
+    fs, _ = fsspec.core.url_to_fs(path, **resolve_options(storage_options))
     return fs
 
 

@@ -12,6 +12,11 @@ beside the model load compete with it for the cores), and a block (one input fil
 flows to the driver as soon as it is parsed and tokenized, not once eight are. The actor
 pool autoscales from one actor up to one per ``CPUS_PER_PROMPT_ACTOR`` logical CPUs of the
 cluster (``parse_concurrency`` at least), so large clusters still parse in parallel.
+
+Credentials. No storage option is among a Ray task's or actor's arguments: the parse stage
+gets the input's options sealed (an ObjectRef, `connectors.secrets.seal`) and resolves their
+``${env:NAME}`` values on its node; the prompt actors read no files and get the job without
+its storage options.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ def build(spec, files: list[str], skip_doc_ids: set[str], parse_concurrency: int
 
     from connectors.listing import limited_reads
     from connectors.parse import parse_file
+    from connectors.secrets import seal, without_storage_options
     from dlbatch.prompts.stage import PromptStage
 
     inp = spec.input
@@ -39,12 +45,12 @@ def build(spec, files: list[str], skip_doc_ids: set[str], parse_concurrency: int
     ds = ray.data.from_items([{"url": f, "max_rows": n} for f, n in reads],
                              override_num_blocks=max(1, min(len(reads), MAX_BLOCKS)))
     ds = ds.flat_map(parse_file, fn_kwargs=dict(fmt=inp.format, text_field=inp.text_field, id_field=inp.id_field,
-                                                storage_options=dict(inp.storage_options), max_pages=inp.max_pages,
+                                                storage_options=seal(inp.storage_options), max_pages=inp.max_pages,
                                                 max_file_bytes=inp.max_file_bytes, parse_timeout_s=inp.parse_timeout_s,
                                                 parse_memory_mb=inp.parse_memory_mb),
                      num_cpus=0.25)
     lo, hi = prompt_actors(ray.cluster_resources().get("CPU", 1.0), parse_concurrency)
-    ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec=spec,
+    ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec=without_storage_options(spec),
                                                                 skip_doc_ids=sorted(skip_doc_ids),
                                                                 map_reduce=True),
                         batch_size=None, batch_format="pyarrow", concurrency=(lo, hi), num_cpus=0.25)

@@ -7,6 +7,11 @@ packages plus `configs/`) that becomes the job's runtime_env `working_dir`, and 
 `python -m dlbatch.cli run <job> --address auto` on the cluster. Model weights never go
 through this upload: every worker reads the model from `model.name` (an alias installed on
 the cluster, a shared path, or an fsspec URL such as s3://...).
+
+Credentials never go through it either: `submit` refuses (exit 2, naming the keys) a job
+whose `input`/`output` `storage_options` hold a literal value under a secret-looking key,
+and asks for a `${env:NAME}` reference, which the nodes resolve from their own environment
+(`connectors.secrets`), or for the provider's own credential chain on the nodes.
 """
 from __future__ import annotations
 
@@ -194,12 +199,30 @@ def resolved_job(spec) -> dict:
     return data
 
 
+def literal_credentials(spec) -> list[str]:
+    """Key paths of the job's storage options that hold a literal credential (not `${env:NAME}`)."""
+    from connectors.secrets import literal_secrets
+
+    return (literal_secrets(spec.input.storage_options, "input.storage_options")
+            + literal_secrets(spec.output.storage_options, "output.storage_options"))
+
+
+def credentials_refusal(keys: list[str]) -> str:
+    return (f"{', '.join(keys)}: a literal credential, which `dlbatch submit` would upload to the cluster with "
+            f"the job; write it as ${{env:NAME}} (resolved on each node from its environment) or leave it out "
+            f"and use the provider's credential chain on the nodes (docs/cluster.md, Credentials)")
+
+
 def build_upload(spec, dest: str) -> str:
     """Fill `dest` with the code packages, configs/ and the resolved job; returns the job's
-    path relative to `dest`."""
+    path relative to `dest`. Raises ValueError for a job holding a literal credential."""
     import shutil
 
     import yaml
+
+    keys = literal_credentials(spec)
+    if keys:
+        raise ValueError(credentials_refusal(keys))
 
     dirs = _package_dirs()
     for name, src in dirs.items():
@@ -245,6 +268,10 @@ def cmd_submit(args) -> int:
         spec = load_job(args.job, args.overrides)
     except (JobSpecError, FileNotFoundError) as e:
         print(f"invalid job file: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    keys = literal_credentials(spec)
+    if keys:  # before anything talks to the cluster
+        print(f"job not submitted: {credentials_refusal(keys)}", file=sys.stderr)
         return EXIT_INVALID
     extra = None
     if args.runtime_env_json:
