@@ -74,11 +74,21 @@ class _Dead(Exception):
 
 # ------------------------------------------------------------------ framing
 
+def _ready(fd: int, event: int, deadline: float) -> bool:
+    """Whether ``fd`` is ready (or closed) before ``deadline``: poll, not select, which fails on
+    descriptors above 1024 (a Ray worker may hold that many)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    p = select.poll()
+    p.register(fd, event)
+    return bool(p.poll(left * 1000))
+
+
 def _write_all(fd: int, data: bytes, deadline: float) -> None:
     view = memoryview(data)
     while view:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([], [fd], [], left)[1]:
+        if not _ready(fd, select.POLLOUT, deadline):
             raise TimeoutError
         view = view[os.write(fd, view[: 1 << 20]):]
 
@@ -86,10 +96,8 @@ def _write_all(fd: int, data: bytes, deadline: float) -> None:
 def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     buf = bytearray()
     while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
+        if deadline is not None and not _ready(fd, select.POLLIN, deadline):
+            raise TimeoutError
         chunk = os.read(fd, min(n - len(buf), 1 << 20))
         if not chunk:
             raise _Dead

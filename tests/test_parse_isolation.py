@@ -152,6 +152,29 @@ def test_crash_in_a_reused_parser_process_is_retried_in_a_fresh_one():
         isolate.run(f"{FAULTS}:segfault", timeout_s=30, memory_mb=2048)
 
 
+def test_parser_process_pipes_above_descriptor_1024():
+    """A Ray worker may hold over a thousand descriptors: the pipes' waits must not use select()."""
+    import resource
+
+    from connectors import isolate
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit here is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert isolate.run(f"{FAULTS}:echo", (7,), timeout_s=30, memory_mb=3000)["args"] == (7,)
+        with pytest.raises(isolate.ParseFailed, match="ParseTimeout"):
+            isolate.run(f"{FAULTS}:hang", timeout_s=1, memory_mb=3000)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_memory_cap_too_small_for_the_parser_itself_fails_loudly():
     from connectors import isolate
 
