@@ -401,6 +401,9 @@ class BatchingSpec(BaseModel):
 
     max_batch_tokens: int = Field(8192, ge=1)
     max_inflight_batches: int = Field(16, ge=1)
+    # a batch (its wait behind others on its worker included) not back after this long is
+    # failed and its worker restarted: one hung batch cannot stall the job
+    batch_timeout_s: float = Field(900.0, gt=0)
 
 
 class RetriesSpec(BaseModel):

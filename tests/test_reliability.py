@@ -250,6 +250,29 @@ def test_poison_pill_dead_lettered_others_complete(ray_local, sample_model, tmp_
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_a_hung_batch_is_failed_by_its_own_bound_and_the_job_goes_on(ray_local, sample_model, tmp_path, monkeypatch):
+    """A call that never returns (healthy batches go on around it): after
+    batching.batch_timeout_s its batch fails and its worker is restarted; the document that
+    hangs is run alone, hangs again and is dead-lettered naming the bound; the others commit
+    long before the stall timeout."""
+    from dlbatch.driver.output_store import OutputStore
+
+    src = write_jsonl(tmp_path / "docs.jsonl", {**DOCS, "poison": "This document hangs every worker. " * 6})
+    out = str(tmp_path / "out")
+    monkeypatch.setenv(*faults.env(hang_on="poison::").popitem())
+    rep = run_job("jobs/papers_jsonl.yaml", out, [f"input.path={src}", "input.id_field=id",
+                                                  "batching.batch_timeout_s=15", "retries.max_attempts=1"],
+                  stall_timeout_s=600)
+    rows = output_rows(out)
+    assert sorted({r["doc_id"] for r in rows}) == ["alpha", "beta"] and len(rows) == 6
+    errs = OutputStore(out).errors().to_pylist()
+    assert [(e["doc_id"], e["error_type"]) for e in errs] == [("poison", "WorkerCrash")]
+    assert "BatchTimeout" in errs[0]["error"] and "batch_timeout_s=15" in errs[0]["error"]
+    assert rep["docs_failed"] == 1 and rep["docs_ok"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_poison_pill_outlives_worker_restarts_job_fails_clearly(ray_local, sample_model, tmp_path, monkeypatch):
     from dlbatch.driver.runner import MAX_RESTARTS, JobFailed, JobRunner
 

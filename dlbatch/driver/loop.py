@@ -132,6 +132,7 @@ class DispatchLoop:
                                 f"s after a failed batch (stall_timeout {self.stall_timeout_s:.0f} s); committed "
                                 f"output is intact: rerun to resume")
         calls = self.calls
+        calls.expire(self.spec.batching.batch_timeout_s)  # one hung batch among healthy ones
         if calls.refs and now - calls.last_progress > self.stall_timeout_s:
             on = sorted({f"{k[0]} {k[1]}" for b in calls.refs.values() for k in b.workers})
             raise JobFailed(f"no batch finished or failed for {now - calls.last_progress:.0f} s with "

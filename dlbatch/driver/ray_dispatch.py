@@ -38,6 +38,8 @@ class RayWorkers:
         self.d = dispatcher
         self.items_for = items_for
         self.refs: dict = {}  # ObjectRef -> Batch
+        self.started: dict = {}  # ObjectRef -> (submit time, the prefill call's ref in PD)
+        self.killed: dict = {}  # (role, idx) -> pid of a process `expire` killed: its answers do not count
         self.probes: dict = {}  # (role, idx) -> {"ref", "next"}
         # kv_transport=rdt: a worker Ray restarted is a new process outside the collective
         # group; nothing is submitted until the group is re-formed over the live workers,
@@ -51,6 +53,7 @@ class RayWorkers:
     def submit(self, b) -> None:
         items = self.items_for(b.rows)
         front = self.actor(b.front)
+        pref = None
         if b.decode is not None:
             dec = self.actor(b.decode)
             pref = front.prefill.remote(items)
@@ -62,6 +65,37 @@ class RayWorkers:
         else:
             ref = front.generate.remote(items)
         self.refs[ref] = b
+        self.started[ref] = (time.time(), pref)
+
+    def expire(self, bound_s: float) -> int:
+        """Fail every batch in flight for longer than ``bound_s`` and restart the worker it
+        hangs on (the decode worker once its prefill returned, else the front worker): a
+        killed process is the only way to stop a call that never returns, and the batches
+        it held fail as in a crash (requeued; a document that hangs again and again is
+        isolated, then dead-lettered). Returns the batches failed."""
+        import ray
+
+        now, n = time.time(), 0
+        for ref, (t0, pref) in list(self.started.items()):
+            if now - t0 <= bound_s or ref not in self.refs:
+                continue
+            b = self.refs.pop(ref)
+            self.started.pop(ref, None)
+            hung = b.front
+            if pref is not None and ray.wait([pref], timeout=0)[0]:
+                hung = b.decode
+            log.error("batch %d (%d requests) has not returned after %.0f s on %s worker %d "
+                      "(batching.batch_timeout_s=%g): restarting the worker", b.id, len(b.rows), now - t0,
+                      hung[0], hung[1], bound_s)
+            self.d.batch_failed(b.id, f"BatchTimeout: no result after {now - t0:.0f} s on {hung[0]} worker "
+                                f"{hung[1]} (batching.batch_timeout_s={bound_s:g})", "WorkerCrash")
+            try:
+                self.killed[hung] = self.pools.worker_pids.get(hung)
+                ray.kill(self.actor(hung), no_restart=False)
+            except Exception as e:  # already dead: its other calls fail and are handled as a crash
+                log.warning("could not restart %s worker %d: %s", hung[0], hung[1], brief(e))
+            n += 1
+        return n
 
     def wait(self, timeout: float) -> list:
         """(batch, results or the exception of the failed call) of calls that ended."""
@@ -73,6 +107,7 @@ class RayWorkers:
         out = []
         for ref in done:
             b = self.refs.pop(ref)
+            self.started.pop(ref, None)
             self.last_progress = time.time()
             try:
                 out.append((b, ray.get(ref, timeout=60)))  # done: returns at once
@@ -115,6 +150,10 @@ class RayWorkers:
                 if actor_state(self.actor(key)) == "DEAD":
                     self._dead(key, brief(e))
                 continue
+            if key in self.killed and info.get("pid") == self.killed[key]:  # the kill has not landed yet
+                p["ref"], p["next"] = None, time.time() + 0.5
+                continue
+            self.killed.pop(key, None)
             self.probes.pop(key, None)
             self.d.worker_back(key)
             log.info("%s worker %d is back after %.1f s", key[0], key[1], time.time() - p["t0"])

@@ -6,6 +6,8 @@ its ``DLBATCH_*`` variables on to its workers) builds a `WorkerFaults` and calls
 
 * ``{"die_on": "poison::"}``: the worker's process exits at once (``os._exit(1)``, as a
   segfault or the OOM killer would end it) when a request id of the batch contains the text.
+* ``{"hang_on": "poison::"}``: the call never returns (a kernel or a collective that hangs);
+  the worker's other calls go on.
 
 Unset (every real job), workers hold no `WorkerFaults` and nothing here runs.
 """
@@ -21,6 +23,7 @@ ENV = "DLBATCH_TEST_FAULTS"
 @dataclass(frozen=True)
 class WorkerFaults:
     die_on: str | None = None
+    hang_on: str | None = None
 
     @classmethod
     def from_env(cls) -> "WorkerFaults | None":
@@ -35,6 +38,11 @@ class WorkerFaults:
     def before_call(self, role: str, items: list[dict]) -> None:
         if self.die_on and any(self.die_on in it["request_id"] for it in items):
             os._exit(1)
+        if self.hang_on and any(self.hang_on in it["request_id"] for it in items):
+            import time
+
+            while True:
+                time.sleep(3600)
 
 
 def env(**faults) -> dict:
