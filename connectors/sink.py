@@ -5,9 +5,10 @@
   2. if ``dest/filename`` already exists with the same bytes: nothing to do (a rerun that
      commits the same shard twice leaves one file); with different bytes: FileExistsError
      unless ``on_conflict="overwrite"``;
-  3. write ``dest/_tmp/<uuid>.parquet``, then move it to ``dest/filename`` (a rename on
-     local disk; copy + delete on object stores, where the final object appears at once,
-     complete, when the copy finishes); the temporary object is removed.
+  3. write ``dest/_tmp/<uuid>.parquet`` (on local disk: fsynced), then move it to
+     ``dest/filename`` (a rename on local disk, then the folder fsynced, so a power loss
+     never leaves a committed part empty; copy + delete on object stores, where the final
+     object appears at once, complete, when the copy finishes); the temporary object is removed.
 Readers (``list_committed`` / ``read_committed``) ignore ``_tmp/`` and every other name
 starting with ``_`` or ``.``, so a crash at any point leaves nothing half-visible.
 Every filesystem call goes through connectors.io_retry.
@@ -99,9 +100,10 @@ def write_parquet_atomic(table, dest_dir_url: str, filename: str, storage_option
     tmp_dir = _join(root, TMP_DIR)
     tmp = _join(tmp_dir, f"{uuid.uuid4().hex}.parquet")
     call_with_retry(fs.makedirs, tmp_dir, exist_ok=True, op=f"makedirs {tmp_dir}")
-    call_with_retry(fs.pipe_file, tmp, data, op=f"write {tmp}")
+    call_with_retry(write_durable, fs, tmp, data, op=f"write {tmp}")
     try:
         call_with_retry(fs.mv, tmp, final, op=f"commit {final}")
+        sync_dir(fs, root)
     except OSError as exc:
         if not _landed(fs, final, digest):
             raise
@@ -117,6 +119,43 @@ def write_parquet_atomic(table, dest_dir_url: str, filename: str, storage_option
     if hasattr(fs, "invalidate_cache"):
         fs.invalidate_cache(root)
     return _public(fs, final)
+
+
+def write_durable(fs, path: str, data: bytes) -> None:
+    """Write ``path``; on a local filesystem its bytes reach the disk (fsync) before this
+    returns, so a rename that follows never publishes a file a power loss leaves empty.
+    Object stores make an object durable when its PUT completes."""
+    import os
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs.pipe_file(path, data)
+    if isinstance(fs, LocalFileSystem):
+        fd = os.open(fs._strip_protocol(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)  # flushes the file's pages whichever descriptor wrote them
+        finally:
+            os.close(fd)
+
+
+def sync_dir(fs, path: str) -> None:
+    """fsync a local directory, so a rename into it survives a power loss; no-op elsewhere."""
+    import os
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(fs, LocalFileSystem):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
 
 
 def brief_error(exc: BaseException) -> str:

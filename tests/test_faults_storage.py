@@ -82,6 +82,21 @@ def test_appended_rows_and_raised_limit_are_processed_committed_not_redone(ray_l
     assert len(keys) == len(set(keys)) == 9
 
 
+@pytest.mark.ray
+def test_a_deleted_input_is_reported_and_its_rows_kept(ray_local, sample_model, tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name, (k, v) in zip("ab", list(DOCS3.items())[:2]):
+        write_jsonl(folder / f"{name}.jsonl", {k: v})
+    out = str(tmp_path / "out")
+    extra = [f"input.path={folder}", "input.id_field=id"]
+    assert run_job("jobs/papers_jsonl.yaml", out, extra)["docs_ok"] == 2
+    (folder / "b.jsonl").unlink()
+    rep = run_job("jobs/papers_jsonl.yaml", out, extra)
+    assert rep["inputs_deleted"]["count"] == 1 and rep["inputs_deleted"]["sources"][0].endswith("b.jsonl")
+    assert rep["docs_ok"] == 2 and len(output_rows(out)) == 6
+
+
 # ------------------------------------------------------------------------ per-user cache
 def test_user_cache_dir_is_private_and_checked(tmp_path, monkeypatch):
     from dlbatch.cache import secure_dir, user_cache_dir

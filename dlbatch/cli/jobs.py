@@ -5,6 +5,7 @@ import json
 import sys
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+EXIT_BUSY = 3  # another process holds the output's lease: nothing was done
 
 
 def register(sub) -> None:
@@ -78,6 +79,7 @@ def cmd_run(args) -> int:
     except ValueError as e:
         print(f"invalid job file: pipeline: {e}", file=sys.stderr)
         return EXIT_INVALID
+    from dlbatch.driver.lease import LeaseHeld, LeaseLost
     from dlbatch.driver.runner import JobFailed, JobRunner
 
     try:
@@ -88,6 +90,12 @@ def cmd_run(args) -> int:
         if args.compact_parts is not None:
             runner.compact_min_parts = args.compact_parts
         report = runner.run()
+    except LeaseHeld as e:
+        print(f"job not started: {e}", file=sys.stderr)
+        return EXIT_BUSY
+    except LeaseLost as e:
+        print(f"job stopped: {e}; what it committed is intact", file=sys.stderr)
+        return EXIT_FAILED
     except JobFailed as e:
         print(f"job failed: {e}", file=sys.stderr)
         return EXIT_FAILED
@@ -135,15 +143,23 @@ def cmd_compact(args) -> int:
     spec = _load(args)
     if spec is None:
         return EXIT_INVALID
+    from dlbatch.driver.lease import LeaseHeld
     from dlbatch.driver.output_store import OutputStore
 
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+    try:
+        store.take_lease(spec.name, "compact")  # never beside a run or another compaction
+    except LeaseHeld as e:
+        print(f"compaction not started: {e}", file=sys.stderr)
+        return EXIT_BUSY
     try:
         res = store.compact(min_parts=args.min_parts if args.min_parts is not None else 0)
     except OSError as e:
         print(f"compaction failed: {type(e).__name__}: {e}; committed output under {spec.output.path} is intact "
               f"(rerun to finish)", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        store.release_lease()
     print(f"{spec.output.path}: {res['merged_parts']} small parts merged into {res['parts_written']} "
           f"({res['parts_before']} small parts before)")
     return EXIT_OK

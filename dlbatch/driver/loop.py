@@ -104,11 +104,9 @@ class DispatchLoop:
         if not self.buf.due(force):
             return
         rows, errors = self.buf.take()
-        if rows:
-            self.store.commit_results(rows, self.spec.output.include_text, structured.result_fields(self.spec))
+        if rows or errors:  # one commit: a document's result rows and dead letters land together
+            self.store.commit(rows, errors, self.spec.output.include_text, structured.result_fields(self.spec))
             self.tally.rows_written += len(rows)
-        if errors:
-            self.store.commit_errors(errors)
         self.report.note_commit(self.tally)
 
     # ---- bounded waits -----------------------------------------------------------------------------

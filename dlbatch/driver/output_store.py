@@ -11,12 +11,24 @@ appears whole when its single PUT/copy completes). A rerun reads the committed p
 skips every document already there, so each (document, task) appears exactly once.
 
 Layout under the output path:
-    part-<ms>-<run tag>-<hash of its (doc_id, task) keys>.parquet     result rows
+    part-<ms>-<run tag>-<hash of its (doc_id, task) keys>[-e].parquet result rows (-e: dead letters in its footer)
     _index/<part name>             the part's (doc_id, source, task, tokens): its index
     _compact/<merged part>.json    a compaction in progress (see `OutputStore.compact`)
     _errors/part-*.parquet         dead-letter rows (doc_id, source, stage, error_type, error)
     _manifest.json                 the job fingerprint (a rerun with other settings is refused)
+    _lease/<n>.json                the writer's lease (dlbatch.driver.lease)
     _report.json / .html / .png    the run report
+
+One commit per flush of complete documents (`commit`): the result rows and the dead-letter
+rows of the documents it holds land together or not at all. The dead letters travel inside
+the result part, in its Parquet footer (key ``dlbatch.errors``; the part's name ends in
+``-e.parquet``), so one atomic rename commits both; the copy under ``_errors/`` that readers
+use is written next, under the same name, and `recover` writes any copy a crash lost
+before a resume reads progress. A flush with dead letters only is one part under ``_errors/``.
+
+One writer per output: every change (commits, the manifest, compaction, ``--fresh``) is
+made under the output's lease (dlbatch.driver.lease) when one is attached (``self.lease``):
+each change first checks that this process still holds it.
 
 Exactly once through commit errors: a part's name is fixed by its rows, so retrying the same
 rows finds the identical file and skips; a lost reply to the rename is detected by the
@@ -46,6 +58,8 @@ INDEX_COLUMNS = ["doc_id", "source", "task", "prompt_tokens", "output_tokens"]
 INDEX_DIR = "_index"
 COMPACT_DIR = "_compact"
 ERRORS_DIR = "_errors"
+ERRORS_META = b"dlbatch.errors"  # footer key of a result part: the dead letters committed with it
+ERRORS_SUFFIX = "-e.parquet"  # name ending of a result part that carries dead letters
 # compaction defaults: parts under SMALL_ROWS rows are small; merge them when more than
 # COMPACT_MIN_PARTS exist, into parts of about COMPACT_TARGET_ROWS rows
 SMALL_ROWS = 4096
@@ -62,12 +76,31 @@ class OutputStore:
     def __init__(self, url: str, storage_options: dict | None = None):
         import fsspec
 
+        from connectors.secrets import resolve_options
+
         self.url = url.rstrip("/")
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = resolve_options(dict(storage_options or {}))  # ${env:NAME} read here
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.root = self.root.rstrip("/")
         self._run_tag = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
         self._uncertain: list[tuple[str, str]] = []  # (dir, part name) of commits that raised
+        self.lease = None  # dlbatch.driver.lease.OutputLease held while this process changes the output
+
+    def take_lease(self, job: str, command: str = "run", stale_s: float | None = None):
+        """Take the output's lease (raises LeaseHeld naming the holder); `release_lease` gives it back."""
+        from dlbatch.driver.lease import STALE_S, OutputLease
+
+        self.lease = OutputLease(self.fs, self.root, self.url, job, command, stale_s=stale_s or STALE_S).acquire()
+        return self.lease
+
+    def release_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def _guard(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
 
     def _p(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -125,8 +158,14 @@ class OutputStore:
         """What is committed: done/failed doc ids, tasks per doc, tokens, from the index.
         ``sources_done``: sources all of whose documents are done (every task of ``tasks``,
         any task when None) or dead-lettered."""
+        import pyarrow as pa
+
         idx = self.index().to_pydict()
         err = self.errors()  # dead letters are few; parts written before the task column lack it
+        pending = [t for _, t in self.pending_error_copies()]
+        if pending:
+            err = pa.concat_tables([err, *pending], promote_options="default") if err.num_rows else \
+                pa.concat_tables(pending)
         errs = {c: (err.column(c).to_pylist() if c in err.column_names else [None] * err.num_rows)
                 for c in ("doc_id", "source", "task")}
         docs: dict[str, set] = {}
@@ -147,6 +186,7 @@ class OutputStore:
             "docs_failed": failed,
             "tasks_by_doc": docs,
             "sources_done": {s for s, ds in by_source.items() if ds <= done | failed},
+            "sources": set(by_source),
             "prompt_tokens": sum(x or 0 for x in idx["prompt_tokens"]),
             "output_tokens": sum(x or 0 for x in idx["output_tokens"]),
             "duplicates": n - len(set(zip(idx["doc_id"], idx["task"]))),
@@ -176,11 +216,16 @@ class OutputStore:
             rows = [r for r in rows if key(r) not in landed]
             if d == self.url:
                 self._write_index(name, t)
+                meta = t.schema.metadata or {}
+                if ERRORS_META in meta:  # its dead letters landed with it: their copy, and no second commit
+                    self._commit(_error_table(json.loads(meta[ERRORS_META])), self._u(ERRORS_DIR), name)
+                    self._uncertain.append((self._u(ERRORS_DIR), name))
         return rows
 
     def _commit(self, table, dest: str, name: str) -> str:
         from connectors.sink import write_parquet_atomic
 
+        self._guard()
         try:
             return write_parquet_atomic(table, dest, name, self.storage_options)
         except BaseException:
@@ -197,33 +242,74 @@ class OutputStore:
         except OSError as e:
             log.warning("could not write the index of %s (resume reads the part instead): %s", name, e)
 
+    def commit(self, rows: list[dict], errors: list[dict], include_text: bool, extra_fields=()) -> str | None:
+        """Commit a flush of complete documents: result ``rows`` and dead-letter ``errors``
+        land together (one part; its dead letters in its footer) or not at all."""
+        rows = self._without_landed(rows, key=_result_key, dest=self.url)
+        errors = self._without_landed(errors, key=_error_key, dest=self._u(ERRORS_DIR))
+        if not rows:
+            return self.commit_errors(errors) if errors else None
+        table = self._result_table(rows, include_text, extra_fields)
+        name = self._part_name([_result_key(r) for r in rows] + [_error_key(r) for r in errors])
+        if errors:
+            etable = _error_table(errors)
+            meta = dict(table.schema.metadata or {})
+            meta[ERRORS_META] = json.dumps(etable.to_pylist()).encode()
+            table = table.replace_schema_metadata(meta)
+            name = name[:-len(".parquet")] + ERRORS_SUFFIX
+        url = self._commit(table, self.url, name)
+        self._write_index(name, table)
+        if errors:  # the copy readers use; `recover` rewrites it when a crash lost it
+            self._commit(etable, self._u(ERRORS_DIR), name)
+        return url
+
     def commit_results(self, rows: list[dict], include_text: bool, extra_fields=()) -> str | None:
         """``extra_fields``: pyarrow fields appended to the schema (dlbatch/prompts/structured.py
         `result_fields`: valid, output_error, one typed `<task>_json` per JSON-schema task)."""
-        rows = self._without_landed(rows, key=lambda r: (r["doc_id"], r["task"]), dest=self.url)
-        if not rows:
-            return None
+        return self.commit(rows, [], include_text, extra_fields)
+
+    def _result_table(self, rows: list[dict], include_text: bool, extra_fields=()):
         import pyarrow as pa
 
         cols = RESULT_COLUMNS + (["text"] if include_text else []) + [f.name for f in extra_fields]
-        table = pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows],
-                                     schema=result_schema(include_text, extra_fields))
-        name = self._part_name((r["doc_id"], r["task"]) for r in rows)
-        url = self._commit(table, self.url, name)
-        self._write_index(name, table)
-        return url
+        return pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows],
+                                    schema=result_schema(include_text, extra_fields))
 
     def commit_errors(self, rows: list[dict]) -> str | None:
-        rows = self._without_landed(rows, key=lambda r: (r["doc_id"], f"{r.get('task') or ''}:{r.get('stage')}"),
-                                    dest=self._u(ERRORS_DIR))
+        rows = self._without_landed(rows, key=_error_key, dest=self._u(ERRORS_DIR))
         if not rows:
             return None
-        import pyarrow as pa
+        name = self._part_name(_error_key(r) for r in rows)
+        return self._commit(_error_table(rows), self._u(ERRORS_DIR), name)
 
-        table = pa.Table.from_pylist([{c: (None if r.get(c) is None else str(r.get(c))) for c in ERROR_COLUMNS}
-                                      for r in rows], schema=error_schema())
-        name = self._part_name((r["doc_id"], f"{r.get('task') or ''}:{r.get('stage')}") for r in rows)
-        return self._commit(table, self._u(ERRORS_DIR), name)
+    def pending_error_copies(self) -> list[tuple[str, object]]:
+        """[(part name, its dead letters)] of result parts whose ``_errors/`` copy is missing
+        (a crash between a part and its copy): read from the parts' footers."""
+        import pyarrow.parquet as pq
+
+        from connectors.io_retry import call_with_retry
+
+        parts, found = self._listing()
+        out = []
+        for p in parts:
+            name = self._rel(p)
+            if "/" in name or not name.endswith(ERRORS_SUFFIX) or self._p(f"{ERRORS_DIR}/{name}") in found:
+                continue
+            with call_with_retry(self.fs.open, p, "rb", op=f"open {p}") as f:
+                meta = pq.read_schema(f).metadata or {}
+            if ERRORS_META in meta:
+                out.append((name, _error_table(json.loads(meta[ERRORS_META]))))
+        return out
+
+    def recover(self) -> dict:
+        """Before a resume reads progress: write the ``_errors/`` copies a crash lost, finish
+        or drop interrupted compactions, remove temporaries of dead commits."""
+        copies = self.pending_error_copies()
+        for name, t in copies:
+            self._commit(t, self._u(ERRORS_DIR), name)
+        if copies:
+            log.warning("wrote %d dead-letter copies a crash had lost (their parts were committed)", len(copies))
+        return {"error_copies": len(copies), "compactions": self.recover_compactions()}
 
     def read_json(self, name: str) -> dict | None:
         from connectors.io_retry import call_with_retry
@@ -236,18 +322,22 @@ class OutputStore:
     def write_json(self, name: str, data: dict) -> None:
         """Write then rename, so readers never see half a file."""
         from connectors.io_retry import call_with_retry
+        from connectors.sink import sync_dir, write_durable
 
+        self._guard()
         body = json.dumps(data, indent=2, default=str).encode()
         call_with_retry(self.fs.makedirs, self._p("_tmp"), exist_ok=True, op="makedirs")
         tmp = self._p(f"_tmp/{uuid.uuid4().hex}.json")
-        call_with_retry(self.fs.pipe_file, tmp, body, op=f"write {tmp}")
+        call_with_retry(write_durable, self.fs, tmp, body, op=f"write {tmp}")
         if "/" in name:
             call_with_retry(self.fs.makedirs, self._p(name.rsplit("/", 1)[0]), exist_ok=True, op="makedirs")
         call_with_retry(self.fs.mv, tmp, self._p(name), op=f"commit {name}")
+        sync_dir(self.fs, self._p(name).rsplit("/", 1)[0])
 
     def _rm(self, path: str) -> None:
         from connectors.io_retry import call_with_retry
 
+        self._guard()
         try:
             call_with_retry(self.fs.rm_file, path, op=f"delete {path}")
         except FileNotFoundError:
@@ -292,7 +382,7 @@ class OutputStore:
         index files, deleted; (4) the record deleted. Readers skip S while the record and
         M both exist (connectors.sink.compaction_hidden), so a crash at any step leaves
         every row visible exactly once; `recover_compactions` finishes or drops the rest."""
-        self.recover_compactions()
+        self.recover()
         small = [(p, t.num_rows) for p, t in self.part_indexes() if t.num_rows < small_rows]
         if len(small) <= min_parts:
             return {"parts_before": len(small), "merged_parts": 0, "parts_written": 0}
@@ -325,6 +415,8 @@ class OutputStore:
         record = f"{COMPACT_DIR}/{merged[:-len('.parquet')]}.json"
         self.write_json(record, {"merged": merged, "replaces": names})
         table = pa.concat_tables(read_paths(self.fs, paths), promote_options="default")
+        meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != ERRORS_META}
+        table = table.replace_schema_metadata(meta or None)  # the copies under _errors/ exist (recover ran)
         write_parquet_atomic(table, self.url, merged, self.storage_options)
         self._write_index(merged, table)
         for p, n in zip(paths, names):
@@ -335,9 +427,11 @@ class OutputStore:
         return merged
 
     def clear(self) -> int:
-        """--fresh: delete what this job wrote under the output path, nothing else: committed
-        parts, dead letters, indexes, compaction records, temporaries, manifest and report.
-        Other files stay."""
+        """--fresh: delete what this job wrote under the output path and nothing else: the
+        result parts at its top level (a job writes none deeper), its own folders
+        (``_errors/``, ``_index/``, ``_compact/``, ``_tmp/``), manifest and report. Sub-folders
+        (another job's output, a ``year=2024/`` partition) and every other file stay; so does
+        the lease, which the caller holds."""
         from connectors.io_retry import call_with_retry
 
         if not call_with_retry(self.fs.exists, self.root, op=f"exists {self.root}"):
@@ -345,14 +439,29 @@ class OutputStore:
         n = 0
         for f in call_with_retry(self.fs.find, self.root, op=f"find {self.root}"):
             rel = f[len(self.root):].lstrip("/")
-            name = rel.split("/")[-1]
             ours = (rel.startswith((f"{ERRORS_DIR}/", "_tmp/", f"{INDEX_DIR}/", f"{COMPACT_DIR}/"))
-                    or name in ("_manifest.json", "_report.json", "_report.html", "_report.png")
-                    or (name.startswith("part-") and name.endswith(".parquet")))
+                    or rel in ("_manifest.json", "_report.json", "_report.html", "_report.png")
+                    or ("/" not in rel and rel.startswith("part-") and rel.endswith(".parquet")))
             if ours:
+                self._guard()
                 call_with_retry(self.fs.rm_file, f, op=f"delete {f}")
                 n += 1
         return n
+
+
+def _result_key(r: dict) -> tuple:
+    return (r["doc_id"], r["task"])
+
+
+def _error_key(r: dict) -> tuple:
+    return (r["doc_id"], f"{r.get('task') or ''}:{r.get('stage')}")
+
+
+def _error_table(rows: list[dict]):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist([{c: (None if r.get(c) is None else str(r.get(c))) for c in ERROR_COLUMNS}
+                                 for r in rows], schema=error_schema())
 
 
 def result_schema(include_text: bool, extra_fields=()):

@@ -62,21 +62,35 @@ class JobRunner:
 
     # ------------------------------------------------------------------------------------
     def run(self) -> dict:
-        from connectors import list_inputs
         from connectors.io_retry import retry_count
         from dlbatch.backends import check_job
         from dlbatch.driver.output_store import OutputStore
-        from dlbatch.jobspec import check_resume_compatible, content_fields, fingerprint_fields, job_fingerprint
-        from dlbatch.report.run import RunReport
 
         spec = self.spec
         t_start = time.time()
         io_retries_start = retry_count()
         check_job(spec)  # the backend runs here, takes its engine_args and the model's architecture
         store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+        store.take_lease(spec.name, "run --fresh" if self.fresh else "run")  # one writer per output
+        try:
+            return self._run_leased(store, t_start, io_retries_start)
+        finally:
+            store.release_lease()
+
+    def _run_leased(self, store, t_start: float, io_retries_start: int) -> dict:
+        from connectors import list_inputs
+        from connectors.io_retry import retry_count
+        from dlbatch.jobspec import check_resume_compatible, content_fields, fingerprint_fields, job_fingerprint
+        from dlbatch.report.run import RunReport
+
+        spec = self.spec
         if self.fresh:
             n = store.clear()
             log.info("--fresh: removed %d files of a previous run under %s", n, spec.output.path)
+        else:
+            rec = store.recover()  # what a crashed (or taken-over) holder left half done
+            if store.lease.taken_over or any(rec.values()):
+                log.warning("resuming after an interrupted run: %s", rec)
         content = content_fields(spec)
         manifest = store.read_json("_manifest.json")
         if manifest is not None:
@@ -85,6 +99,7 @@ class JobRunner:
         report.startup.start("list_inputs")
         files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
         report.startup.end("list_inputs")
+        listed = set(files)
         by_file = spec.input.format in ("pdf", "text")  # one document per file: a source is done when it is
         if spec.input.limit is not None and by_file:
             files = files[:spec.input.limit]
@@ -92,6 +107,10 @@ class JobRunner:
         task_names = {t.name for t in spec.tasks}
         prog = store.progress(tasks=task_names)  # from the parts' index files, not their text
         done_ok = {d for d, ts in prog["tasks_by_doc"].items() if ts >= task_names}
+        report.inputs_deleted = sorted(prog["sources"] - listed)
+        if report.inputs_deleted:
+            log.warning("%d inputs with committed rows are gone from %s (their rows stay; --fresh starts over): %s",
+                        len(report.inputs_deleted), spec.input.path, ", ".join(report.inputs_deleted[:5]))
         if manifest and manifest.get("complete") and manifest.get("inputs") == sig:
             print(f"job {spec.name!r} is already complete in {spec.output.path}: {len(done_ok)} documents done, "
                   f"{len(prog['docs_failed'])} failed; nothing to do (use --fresh to start over)", file=sys.stderr)

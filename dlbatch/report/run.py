@@ -70,6 +70,7 @@ class RunReport:
     def __init__(self, spec, plan: dict | None, t_start: float, already_done: int = 0, already_failed: int = 0):
         self.spec, self.plan, self.t_start = spec, plan, t_start
         self.already_done, self.already_failed = already_done, already_failed
+        self.inputs_deleted: list[str] = []  # sources with committed rows that the input no longer lists
         self.startup = StartupClock(t_start)  # where the time before the first token went
         self.gen = GenerationTimeline(t_start)  # tokens by the time workers generated them
         self.commits: list[dict] = []  # one point per commit: the commit-time timeline
@@ -143,6 +144,7 @@ class RunReport:
             "prompt_token_hist": list(tally.prompt_hist) if tally else [],
             "output_token_hist": list(tally.output_hist) if tally else [],
             "compaction": compaction or {}, "long_inputs": long_inputs or {},
+            "inputs_deleted": {"count": len(self.inputs_deleted), "sources": self.inputs_deleted[:100]},
         }
         report.update(self._startup_report())
         if self.plan and self.plan.get("usd_per_hour"):
