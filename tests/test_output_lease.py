@@ -191,3 +191,55 @@ def test_a_commit_reaches_the_disk_before_it_is_renamed_into_place(tmp_path, mon
     write_parquet_atomic(pa.table({"a": [1]}), str(tmp_path), "part-x.parquet")
     assert any(p.startswith(str(tmp_path / "_tmp")) for p in synced)  # the bytes, before the rename
     assert str(tmp_path) in synced  # the rename itself
+
+
+# ---------------------------------------------------------------- identity by content
+def test_a_replaced_file_is_seen_even_when_size_and_mtime_are_kept(tmp_path):
+    from connectors.versions import input_versions
+
+    f = tmp_path / "a.txt"
+    f.write_text("first version")
+    before = input_versions([str(f)])
+    st = f.stat()
+    f.write_text("other version")  # same size
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime kept, as `cp -p` or a re-export may do
+    after = input_versions([str(f)], cache=before)
+    assert after[str(f)][1] != before[str(f)][1]
+    # an unchanged file is not read again: its cached version is taken as is
+    assert input_versions([str(f)], cache={str(f): [after[str(f)][0], "sha256:cached"]})[str(f)][1] == "sha256:cached"
+
+
+def test_supersede_removes_a_sources_rows_results_index_and_dead_letters(tmp_path):
+    store = OutputStore(str(tmp_path))
+    store.commit([{**ROW, "task": "summary"}, {**ROW, "doc_id": "d2", "source": "b.pdf", "task": "summary"}],
+                 [ERR], False)
+    store.commit([{**ROW, "doc_id": "d3", "task": "summary"}], [], False)
+    store.commit_errors([{**ERR, "doc_id": "d4", "source": "b.pdf"}])
+    assert store.supersede({"a.pdf"}) == 2
+    rerun = OutputStore(str(tmp_path))
+    assert [(r["doc_id"], r["source"]) for r in rerun.results().to_pylist()] == [("d2", "b.pdf")]
+    assert [e["doc_id"] for e in rerun.errors().to_pylist()] == ["d4"]
+    prog = rerun.progress()
+    assert prog["sources"] == {"b.pdf"} and prog["rows"] == 1
+    assert not list((tmp_path / "_compact").glob("*.json"))
+    assert not list((tmp_path / ERRORS_DIR / "_compact").glob("*.json"))
+
+
+def test_a_crash_inside_supersede_leaves_each_row_once_and_a_rerun_finishes(tmp_path, monkeypatch):
+    store = OutputStore(str(tmp_path))
+    store.commit([{**ROW, "task": "summary"}, {**ROW, "doc_id": "d2", "source": "b.pdf", "task": "summary"}], [],
+                 False)
+    real = store._rm
+
+    def crash(path):  # the rewritten part is committed, the old one not yet deleted
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "_rm", crash)
+    with pytest.raises(KeyboardInterrupt):
+        store.supersede({"a.pdf"})
+    monkeypatch.setattr(store, "_rm", real)
+    rerun = OutputStore(str(tmp_path))
+    assert [r["doc_id"] for r in rerun.results().to_pylist()] == ["d2"]  # the record hides the old part
+    rerun.supersede({"a.pdf"})
+    assert [r["doc_id"] for r in OutputStore(str(tmp_path)).results().to_pylist()] == ["d2"]
+    assert len([p for p in os.listdir(tmp_path) if p.startswith("part-")]) == 1

@@ -17,6 +17,8 @@ Layout under the output path:
     _errors/part-*.parquet         dead-letter rows (doc_id, source, stage, error_type, error)
     _manifest.json                 the job fingerprint (a rerun with other settings is refused)
     _lease/<n>.json                the writer's lease (dlbatch.driver.lease)
+    _sources.parquet               each input's content version when last listed: a replaced input's
+                                   rows are superseded (`supersede`) and the input redone
     _report.json / .html / .png    the run report
 
 One commit per flush of complete documents (`commit`): the result rows and the dead-letter
@@ -57,6 +59,7 @@ ERROR_COLUMNS = ["doc_id", "source", "task", "stage", "error_type", "error"]  # 
 INDEX_COLUMNS = ["doc_id", "source", "task", "prompt_tokens", "output_tokens"]
 INDEX_DIR = "_index"
 COMPACT_DIR = "_compact"
+SOURCES_FILE = "_sources.parquet"  # each input's version when last listed (connectors.versions)
 ERRORS_DIR = "_errors"
 ERRORS_META = b"dlbatch.errors"  # footer key of a result part: the dead letters committed with it
 ERRORS_SUFFIX = "-e.parquet"  # name ending of a result part that carries dead letters
@@ -160,6 +163,8 @@ class OutputStore:
         any task when None) or dead-lettered."""
         import pyarrow as pa
 
+        from connectors.versions import source_file
+
         idx = self.index().to_pydict()
         err = self.errors()  # dead letters are few; parts written before the task column lack it
         pending = [t for _, t in self.pending_error_copies()]
@@ -186,7 +191,7 @@ class OutputStore:
             "docs_failed": failed,
             "tasks_by_doc": docs,
             "sources_done": {s for s, ds in by_source.items() if ds <= done | failed},
-            "sources": set(by_source),
+            "sources": {source_file(s) for s in by_source if s},  # input files with committed rows
             "prompt_tokens": sum(x or 0 for x in idx["prompt_tokens"]),
             "output_tokens": sum(x or 0 for x in idx["output_tokens"]),
             "duplicates": n - len(set(zip(idx["doc_id"], idx["task"]))),
@@ -321,18 +326,79 @@ class OutputStore:
 
     def write_json(self, name: str, data: dict) -> None:
         """Write then rename, so readers never see half a file."""
+        self._write_file(name, json.dumps(data, indent=2, default=str).encode())
+
+    def _write_file(self, name: str, body: bytes) -> None:
         from connectors.io_retry import call_with_retry
         from connectors.sink import sync_dir, write_durable
 
         self._guard()
-        body = json.dumps(data, indent=2, default=str).encode()
         call_with_retry(self.fs.makedirs, self._p("_tmp"), exist_ok=True, op="makedirs")
-        tmp = self._p(f"_tmp/{uuid.uuid4().hex}.json")
+        tmp = self._p(f"_tmp/{uuid.uuid4().hex}")
         call_with_retry(write_durable, self.fs, tmp, body, op=f"write {tmp}")
         if "/" in name:
             call_with_retry(self.fs.makedirs, self._p(name.rsplit("/", 1)[0]), exist_ok=True, op="makedirs")
         call_with_retry(self.fs.mv, tmp, self._p(name), op=f"commit {name}")
         sync_dir(self.fs, self._p(name).rsplit("/", 1)[0])
+
+    # ---- input versions (connectors.versions) -------------------------------------------------
+    def read_sources(self) -> dict[str, list]:
+        """{source: [stat key or None, version]} recorded when the inputs were last listed."""
+        from connectors.io_retry import call_with_retry
+        from connectors.sink import read_parquet_bytes
+
+        p = self._p(SOURCES_FILE)
+        if not call_with_retry(self.fs.exists, p, op=f"exists {p}"):
+            return {}
+        t = read_parquet_bytes(call_with_retry(self.fs.cat_file, p, op=f"read {p}")).to_pydict()
+        return {s: [k, v] for s, k, v in zip(t["source"], t["stat"], t["version"])}
+
+    def write_sources(self, sources: dict[str, list]) -> None:
+        import pyarrow as pa
+
+        from connectors.sink import table_to_parquet_bytes
+
+        names = sorted(sources)
+        t = pa.table({"source": pa.array(names, pa.string()),
+                      "stat": pa.array([sources[n][0] for n in names], pa.string()),
+                      "version": pa.array([sources[n][1] for n in names], pa.string())})
+        self._write_file(SOURCES_FILE, table_to_parquet_bytes(t))
+
+    def supersede(self, sources: set[str]) -> int:
+        """Remove every committed row of ``sources`` (inputs replaced since their rows were
+        committed): result rows, their index, dead letters. Each part is rewritten alone,
+        crash-safely as a compaction of one part (a record, the part without those rows, then
+        the old part deleted), or deleted when every row goes. Returns the rows removed."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from connectors.sink import committed_paths, find_all, read_paths
+        from connectors.versions import source_files
+
+        self.recover()
+        values = pa.array(sorted(sources), pa.string())
+
+        def keep(t):  # rows whose input file is not one of ``sources``
+            return t.filter(pc.invert(pc.is_in(source_files(t.column("source")), value_set=values)))
+
+        removed = 0
+        for p, idx in self.part_indexes():
+            drop = idx.num_rows - keep(idx).num_rows
+            removed += drop
+            if drop == idx.num_rows:
+                self._rm(p)
+                self._rm(self._p(f"{INDEX_DIR}/{self._rel(p)}"))
+            elif drop:
+                self._merge([p], keep=keep, tag=values)
+        eroot = self._p(ERRORS_DIR)
+        eparts = committed_paths(self.fs, eroot, find_all(self.fs, eroot))
+        for p, t in zip(eparts, read_paths(self.fs, eparts)):
+            drop = t.num_rows - keep(t).num_rows
+            if drop == t.num_rows:
+                self._rm(p)
+            elif drop:
+                self._merge([p], keep=keep, tag=values, base=ERRORS_DIR)
+        return removed
 
     def _rm(self, path: str) -> None:
         from connectors.io_retry import call_with_retry
@@ -346,30 +412,34 @@ class OutputStore:
     # ---- compaction -------------------------------------------------------------------------
     def recover_compactions(self) -> int:
         """Finish (merged part committed) or drop (it is not) every compaction record left by
-        a crash; removes index files whose part is gone. Returns records handled."""
+        a crash, of the results and of the dead letters; removes index files whose part is
+        gone. Returns records handled."""
         from connectors.io_retry import call_with_retry
         from connectors.sink import find_all, read_parquet_bytes
 
         found = set(find_all(self.fs, self.root))
-        recs = sorted(f for f in found if self._rel(f).startswith(f"{COMPACT_DIR}/") and f.endswith(".json"))
-        for r in recs:
-            rec = json.loads(call_with_retry(self.fs.cat_file, r, op=f"read {r}"))
-            merged = self._p(rec["merged"])
-            if merged in found:
-                if self._p(f"{INDEX_DIR}/{rec['merged']}") not in found:
-                    t = read_parquet_bytes(call_with_retry(self.fs.cat_file, merged, op=f"read {merged}"))
-                    self._write_index(rec["merged"], t)
-                for n in rec["replaces"]:
-                    if self._p(n) in found:
-                        self._rm(self._p(n))
-            self._rm(r)
+        n = 0
+        for at in ("", f"{ERRORS_DIR}/"):
+            recs = sorted(f for f in found if self._rel(f).startswith(f"{at}{COMPACT_DIR}/") and f.endswith(".json"))
+            for r in recs:
+                rec = json.loads(call_with_retry(self.fs.cat_file, r, op=f"read {r}"))
+                merged = self._p(at + rec["merged"])
+                if merged in found:
+                    if not at and self._p(f"{INDEX_DIR}/{rec['merged']}") not in found:
+                        t = read_parquet_bytes(call_with_retry(self.fs.cat_file, merged, op=f"read {merged}"))
+                        self._write_index(rec["merged"], t)
+                    for name in rec["replaces"]:
+                        if self._p(at + name) in found:
+                            self._rm(self._p(at + name))
+                self._rm(r)
+            n += len(recs)
         parts = {self._rel(f) for f in find_all(self.fs, self.root) if "/" not in self._rel(f)}
         for f in found:
             rel = self._rel(f)
             name = rel[len(INDEX_DIR) + 1:]
             if rel.startswith(f"{INDEX_DIR}/") and "/" not in name and name not in parts:
                 self._rm(f)  # its part was compacted away: an index is written only after its part
-        return len(recs)
+        return n
 
     def compact(self, min_parts: int = COMPACT_MIN_PARTS, small_rows: int = SMALL_ROWS,
                 target_rows: int = COMPACT_TARGET_ROWS, target_bytes: int = COMPACT_TARGET_BYTES) -> dict:
@@ -405,25 +475,34 @@ class OutputStore:
             self._merge(g)
         return {"parts_before": len(small), "merged_parts": sum(len(g) for g in groups), "parts_written": len(groups)}
 
-    def _merge(self, paths: list[str]) -> str:
+    def _merge(self, paths: list[str], keep=None, tag=None, base: str = "") -> str:
+        """Replace the parts ``paths`` (under ``base``: "" results, ERRORS_DIR dead letters)
+        by one part holding their rows (``keep(table)`` of them); see `compact`."""
         import pyarrow as pa
 
         from connectors.sink import read_paths, write_parquet_atomic
 
-        names = [self._rel(p) for p in paths]
-        merged = f"part-c{hashlib.sha256(chr(10).join(names).encode()).hexdigest()[:24]}.parquet"
-        record = f"{COMPACT_DIR}/{merged[:-len('.parquet')]}.json"
+        at = f"{base}/" if base else ""
+        names = [self._rel(p)[len(at):] for p in paths]
+        key = chr(10).join(names) + (f"{chr(10)}keep:{tag}" if keep is not None else "")
+        merged = f"part-c{hashlib.sha256(key.encode()).hexdigest()[:24]}.parquet"
+        record = f"{at}{COMPACT_DIR}/{merged[:-len('.parquet')]}.json"
         self.write_json(record, {"merged": merged, "replaces": names})
         table = pa.concat_tables(read_paths(self.fs, paths), promote_options="default")
+        if keep is not None:
+            table = keep(table)
         meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != ERRORS_META}
         table = table.replace_schema_metadata(meta or None)  # the copies under _errors/ exist (recover ran)
-        write_parquet_atomic(table, self.url, merged, self.storage_options)
-        self._write_index(merged, table)
+        write_parquet_atomic(table, self._u(base) if base else self.url, merged, self.storage_options)
+        if not base:
+            self._write_index(merged, table)
         for p, n in zip(paths, names):
             self._rm(p)
-            self._rm(self._p(f"{INDEX_DIR}/{n}"))
+            if not base:
+                self._rm(self._p(f"{INDEX_DIR}/{n}"))
         self._rm(self._p(record))
-        log.info("compacted %d parts (%d rows) into %s", len(paths), table.num_rows, merged)
+        log.info("%s %d parts (%d rows) into %s", "compacted" if keep is None else "rewrote", len(paths),
+                 table.num_rows, at + merged)
         return merged
 
     def clear(self) -> int:
@@ -440,7 +519,7 @@ class OutputStore:
         for f in call_with_retry(self.fs.find, self.root, op=f"find {self.root}"):
             rel = f[len(self.root):].lstrip("/")
             ours = (rel.startswith((f"{ERRORS_DIR}/", "_tmp/", f"{INDEX_DIR}/", f"{COMPACT_DIR}/"))
-                    or rel in ("_manifest.json", "_report.json", "_report.html", "_report.png")
+                    or rel in ("_manifest.json", "_report.json", "_report.html", "_report.png", SOURCES_FILE)
                     or ("/" not in rel and rel.startswith("part-") and rel.endswith(".parquet")))
             if ours:
                 self._guard()

@@ -7,8 +7,9 @@ pipeline, prefetched by `BatchPrefetcher`), and runs the `DispatchLoop` until ev
 document is committed or dead-lettered; `RunReport` writes the report at the end.
 
 Invariants: a rerun with other output-determining settings is refused (the manifest's
-fingerprint); documents already committed are never redone; a job whose inputs are
-unchanged since it completed is a no-op.
+fingerprint); documents already committed are never redone unless their input's content
+changed (connectors.versions: then its old rows are superseded first); a job whose inputs
+are unchanged since it completed is a no-op.
 """
 from __future__ import annotations
 
@@ -20,17 +21,9 @@ from dlbatch.driver.output_store import COMPACT_MIN_PARTS
 from dlbatch.driver.pools import MAX_RESTARTS, JobFailed, WorkerPools
 from dlbatch.transfer.errors import brief
 
-__all__ = ["JobFailed", "JobRunner", "MAX_RESTARTS", "inputs_signature"]
+__all__ = ["JobFailed", "JobRunner", "MAX_RESTARTS"]
 
 log = logging.getLogger("dlbatch.run")
-
-
-def inputs_signature(files: list[str], storage_options: dict | None = None, limit: int | None = None) -> str:
-    """Names, sizes and versions (mtime / ETag) of the inputs, and input.limit: the "nothing
-    to do" check of a complete job compares it (connectors.listing.inputs_fingerprint)."""
-    from connectors.listing import inputs_fingerprint
-
-    return inputs_fingerprint(files, storage_options, limit)
 
 
 class JobRunner:
@@ -80,6 +73,7 @@ class JobRunner:
     def _run_leased(self, store, t_start: float, io_retries_start: int) -> dict:
         from connectors import list_inputs
         from connectors.io_retry import retry_count
+        from connectors.versions import input_versions, versions_digest
         from dlbatch.jobspec import check_resume_compatible, content_fields, fingerprint_fields, job_fingerprint
         from dlbatch.report.run import RunReport
 
@@ -103,7 +97,19 @@ class JobRunner:
         by_file = spec.input.format in ("pdf", "text")  # one document per file: a source is done when it is
         if spec.input.limit is not None and by_file:
             files = files[:spec.input.limit]
-        sig = inputs_signature(files, dict(spec.input.storage_options), spec.input.limit)
+        report.startup.start("input_versions")
+        recorded = store.read_sources()
+        versions = input_versions(files, dict(spec.input.storage_options), cache=recorded)
+        report.startup.end("input_versions")
+        sig = versions_digest(versions, spec.input.limit)
+        replaced = sorted(f for f, (_, v) in versions.items() if f in recorded and recorded[f][1] != v)
+        if replaced:  # their old rows go before anything is read as done; then the inputs are redone
+            n = store.supersede(set(replaced))
+            log.warning("%d inputs changed since their rows were committed (%s); %d old rows removed, redoing them",
+                        len(replaced), ", ".join(replaced[:5]), n)
+        if versions != recorded:
+            store.write_sources({**{s: r for s, r in recorded.items() if s not in versions}, **versions})
+        report.inputs_replaced = replaced
         task_names = {t.name for t in spec.tasks}
         prog = store.progress(tasks=task_names)  # from the parts' index files, not their text
         done_ok = {d for d, ts in prog["tasks_by_doc"].items() if ts >= task_names}
