@@ -15,6 +15,12 @@ those the workers will see:
 
 The number of documents of the job is the number of listed inputs for one-document
 formats (pdf, text; capped by ``input.limit``), else extrapolated from the sample.
+
+The sample is parsed as the job parses it (`connectors.parse.parse_file`): a PDF in the
+parser process under the job's caps (``input.max_pages``, ``max_file_bytes``,
+``parse_timeout_s``, ``parse_memory_mb``). A file that crashes MuPDF, hangs, runs out of memory
+or is over a cap is left out of the measurement (counted in ``failed_docs`` and named in a
+warning), never the end of ``dlbatch plan`` or of the auto solver.
 """
 from __future__ import annotations
 
@@ -114,7 +120,8 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
                  device: str | None = None) -> JobSample:
     """Read the first ``sample`` documents of ``spec`` (a validated JobSpec) and build the
     Workload for ``n_docs`` documents (default: the job's document count)."""
-    from connectors import list_inputs, read_document_file
+    from connectors import list_inputs
+    from connectors.parse import parse_file
     from dlbatch.prompts.stage import PromptStage
 
     if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
@@ -138,15 +145,19 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
         if docs_read >= sample:
             break
         files_read += 1
-        for doc in read_document_file(url, inp.format, text_field=inp.text_field, id_field=inp.id_field,
-                                      storage_options=dict(inp.storage_options), max_pages=inp.max_pages):
+        docs = parse_file({"url": url, "max_rows": sample - docs_read}, inp.format, inp.text_field, inp.id_field,
+                          dict(inp.storage_options), inp.max_pages, max_file_bytes=inp.max_file_bytes,
+                          parse_timeout_s=inp.parse_timeout_s, parse_memory_mb=inp.parse_memory_mb)
+        for doc in docs:
             if docs_read >= sample:
                 break
             docs_read += 1
-            rows = stage.process({"doc_id": str(doc.get("doc_id")), "source": str(doc.get("source", url)),
-                                  "text": doc.get("text") or "", "title": doc.get("title"),
-                                  "pages": doc.get("pages"), "error": doc.get("error"),
-                                  "error_type": doc.get("error_type")})
+            if doc.get("error"):  # not parsed (a crash, a timeout, a cap, bad content): left out
+                why = doc["error"] if doc["error"].startswith(f"{doc['error_type']}:") else \
+                    f"{doc['error_type']}: {doc['error']}"
+                failed.append(f"{doc.get('source', url)}: {why}")
+                continue
+            rows = stage.process(doc)
             if len(rows) != K or rows[0].get("error"):
                 failed.append(f"{doc.get('source', url)}: {rows[0].get('error') if rows else 'no rows'}")
                 continue
@@ -157,6 +168,9 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
             doc_tokens.append(max(1, d))
             suffix_tokens.extend(len(i) - d for i in ids)
             truncated += bool(rows[0]["truncated"])
+    if failed:
+        log.warning("workload: %d of the %d sampled documents are left out (not parsed or no prompts): %s",
+                    len(failed), docs_read, "; ".join(failed[:10]) + (" ..." if len(failed) > 10 else ""))
     if not doc_tokens:
         raise ValueError(f"no usable document in the first {docs_read} of {inp.path!r}"
                          + (f": {failed[:3]}" if failed else ""))
