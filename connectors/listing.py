@@ -8,6 +8,15 @@ Files and folders whose name starts with ``_`` or ``.`` (``_tmp/``, ``_SUCCESS``
 
 ``read_document_file(url, format, ...)`` yields the rows of one listed input.
 
+Names that are not UTF-8. A local file name with bytes that do not decode (Python gives each
+as a lone surrogate, ``surrogateescape``) is listed escaped, ``\\udcXX`` per byte
+(`connectors.repair.repair_id`, as an output's ``source`` spells it): every URL this module
+hands out is plain UTF-8, so Arrow, JSON and the digests take it, and the listing, the rows'
+``source`` and the output's index name the file the same way on every run. Opening goes
+through `_url_to_fs`, which maps the escapes back to the name the file system spells
+(`connectors.repair.unescape_name`); where both spellings exist as files, the one with the
+undecodable bytes is meant.
+
 ``input.limit`` is applied here, not by the data plane: :func:`limited_reads` gives, for the
 sorted listing, how many rows each file contributes so that the job takes the first N rows
 in a fixed order (files sorted by URL, rows in file order). Ray Data's ``limit()`` takes the
@@ -24,6 +33,7 @@ from typing import Iterator
 
 from .io_retry import call_with_retry
 from .records import DuplicateIds
+from .repair import repair_id, unescape_name
 from .secrets import resolve_options
 
 FORMAT_EXTENSIONS: dict[str, tuple[str, ...]] = {
@@ -46,19 +56,37 @@ def _check_format(format: str) -> tuple[str, ...]:
 
 
 def _url_to_fs(path: str, storage_options: dict | None):
-    """``storage_options``: a dict or `secrets.seal`'s ref; ``${env:NAME}`` values resolved here."""
+    """(file system, path on it) of a URL this module handed out, or of a user's path.
+    ``storage_options``: a dict or `secrets.seal`'s ref; ``${env:NAME}`` values resolved here.
+    An escaped undecodable byte (``\\udcXX``) is the byte again in the path (module docstring)."""
     import fsspec
 
-    return fsspec.core.url_to_fs(path, **resolve_options(storage_options))
+    fs, p = fsspec.core.url_to_fs(path, **resolve_options(storage_options))
+    return fs, _spelled(fs, p)
 
 
-def _public(fs, p: str) -> str:
-    """A path fsspec gave back -> the URL we hand out (plain path for local files)."""
+def _spelled(fs, p: str) -> str:
+    """The name the file system spells for a listed path: ``p`` with its escapes as the bytes
+    they stand for, unless only the escaped spelling exists (a name with a literal ``\\udcXX``)."""
+    raw = unescape_name(p)
+    if raw == p or call_with_retry(fs.exists, raw, op=f"exists {p}"):
+        return raw
+    return p if call_with_retry(fs.exists, p, op=f"exists {p}") else raw
+
+
+def _url_of(fs, p: str) -> str:
+    """A path on ``fs`` -> its URL (a plain path for local files), as the file system spells it."""
     from fsspec.implementations.local import LocalFileSystem
 
     if isinstance(fs, LocalFileSystem):
         return fs._strip_protocol(p)
     return fs.unstrip_protocol(p)
+
+
+def _public(fs, p: str) -> str:
+    """A path fsspec gave back -> the URL we hand out (an undecodable byte of its name
+    escaped, see the module docstring)."""
+    return repair_id(_url_of(fs, p))
 
 
 def _hidden(relative: str) -> bool:
@@ -149,6 +177,8 @@ def _read_rows(url: str, format: str, text_field: str, id_field: str | None, sto
     _check_format(format)
     storage_options = resolve_options(storage_options)  # once, for the readers given the options too
     fs, fspath = _url_to_fs(url, storage_options)
+    if unescape_name(url) != url:  # the readers open the URL they are given: the file system's spelling
+        url = _url_of(fs, fspath)
     if format == "pdf":
         from .pdf import extract_pdf
 
@@ -211,7 +241,7 @@ def inputs_fingerprint(files: list[str], storage_options: dict | None = None, li
     else:
         described = [_describe(f, storage_options) for f in files]
     body = "\n".join(f"{f}\t{d}" for f, d in zip(files, described)) + f"\nlimit={limit}"
-    return hashlib.sha256(body.encode()).hexdigest()[:16]
+    return hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()[:16]  # a saved dataset's inner names
 
 
 def count_rows(url: str, format: str, stop: int, storage_options: dict | None = None, **read_kwargs) -> int:

@@ -15,12 +15,19 @@ string that leaves the parse stage or the prompt stage goes through here first:
 A well-formed surrogate pair (two code units of one character outside the BMP) becomes that
 character in both cases. Content-derived ids (`connectors.ids.content_id`) hash the text as
 read, before the repair, so they too are stable and distinct.
+
+File names. A local file name with bytes that are not UTF-8 reaches Python with each such byte
+as a lone surrogate U+DC80..U+DCFF (``surrogateescape``: ``b"bad\\xff.pdf"`` -> ``"bad\\udcff.pdf"``).
+The listing hands such a name out escaped like an id (``"bad\\\\udcff.pdf"``), so the URL is plain
+UTF-8 in Arrow, the manifest and the output's ``source`` alike; `unescape_name` gives back the
+name the file system spells, for opening it (`connectors.listing`).
 """
 from __future__ import annotations
 
 import re
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_ESCAPED_BYTE = re.compile(r"\\u(dc[89a-f][0-9a-f])")  # repair_id's text for an undecodable byte
 
 ID_KEYS = ("doc_id", "source")
 
@@ -47,6 +54,15 @@ def repair_id(value):
     if not isinstance(value, str) or not _SURROGATE.search(value):
         return value
     return _joined(value).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def unescape_name(value: str) -> str:
+    """``value`` with each escape of an undecodable byte (``\\udc80``..``\\udcff``, as
+    `repair_id` writes it) back as its lone surrogate: the inverse of `repair_id` on names
+    that ``surrogateescape`` decoded (``os.fsencode`` of the result gives the original bytes)."""
+    if "\\udc" not in value:
+        return value
+    return _ESCAPED_BYTE.sub(lambda m: chr(int(m.group(1), 16)), value)
 
 
 def repair_row(row: dict) -> dict:
