@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable
 
+from connectors.ids import content_id
 from dlbatch.driver.retry_policy import RetryPolicy
 
 log = logging.getLogger("dlbatch.run")
@@ -230,6 +231,13 @@ class Workers:
             return (role, prefer)
         load = (lambda k: self.by_key[k].load) if role == "decode" else self.inflight.count
         return min(usable, key=lambda k: (k in avoid, load(k), k[1]))
+
+    def pick_decode(self, now: float, avoid=()) -> tuple[bool, WorkerKey | None]:
+        """(whether a batch can go now, its decode worker): (True, None) without a decode pool."""
+        if "prefill" not in self.counts:
+            return True, None
+        d = self.pick("decode", now, avoid)
+        return d is not None, d
 
     def succeeded(self, b: Batch) -> None:
         """A batch returned: its workers' incarnations that ran it are off their streak."""
@@ -423,6 +431,46 @@ class Outcomes:
         return out
 
 
+class Duplicates:
+    """One document id from two sources (the same ``input.id_field`` value in two input files,
+    or two files of the same text when ids are the text's hash). The first source to reach the
+    driver is the document; each other source is a ``DuplicateId`` dead letter (stage "read")
+    naming the id and both sources. Its own doc_id is the hash of its source and the id, so it
+    never stands for the document, and it is the same on every run.
+
+    A dead letter for a document still open is held until that document's outcome and handed
+    over with it (`release`), so both land in one commit: a crash can never leave the dead
+    letter committed without the document, where a rerun would run the other copy and name
+    the document the duplicate. A rerun skips both (the document's id is committed). Holds the
+    first source of every id of the run (finished documents too) and the dead letters' ids."""
+
+    def __init__(self):
+        self.first: dict[str, str] = {}  # doc id -> the source of its document
+        self.given: set[str] = set()  # dead letters' ids: the duplicate's other rows are ignored
+        self.held: dict[str, list[dict]] = {}  # open doc id -> dead letters waiting for its outcome
+
+    def check(self, row: dict, is_open: bool, ready: list) -> bool:
+        """Whether ``row`` is a duplicate's (then handled: its dead letter held, or put in
+        ``ready`` when the document is finished). A row of the document's own source is not."""
+        d_id, source = row["doc_id"], row.get("source") or ""
+        first = self.first.setdefault(d_id, source)
+        if first == source:
+            return False
+        dup_id = content_id(f"{source}\n{d_id}")
+        if dup_id not in self.given:
+            self.given.add(dup_id)
+            letter = {"doc_id": dup_id, "source": source, "stage": "read", "error_type": "DuplicateId",
+                      "error": f"duplicate document id {d_id!r}: {source} repeats the id of {first}, which is "
+                               f"the document; this copy is not run"[:1000]}
+            (self.held.setdefault(d_id, []) if is_open else ready).append(letter)
+            log.warning("input %s repeats the document id %r of %s: a DuplicateId dead letter", source, d_id, first)
+        return True
+
+    def release(self, d_id: str) -> list[dict]:
+        """The dead letters held for document ``d_id``, now that it has its outcome."""
+        return self.held.pop(d_id, [])
+
+
 def pack_routing(routing, by_id: dict[str, dict], max_batch_tokens: int) -> list[tuple[list, int]]:
     """The router's per-worker request lists -> batches of at most ``max_batch_tokens``
     prompt tokens, each ``([(row, duplicate rows)], worker index)``, the workers' batches
@@ -489,6 +537,7 @@ class Dispatcher:
         self.clock = clock
         self.docs: dict[str, Document] = {}
         self.finished_ids: set[str] = set()  # completed or dead-lettered: later input rows ignored
+        self.duplicates = Duplicates()  # the same id from another source: a DuplicateId dead letter
         self.queue = WorkQueue()
         self.routed: collections.deque = collections.deque()  # ([(row, dup rows)], front index)
         self.paused = False  # the owner stops submissions (e.g. re-forming a collective group)
@@ -497,9 +546,10 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ input
     def add_row(self, row: dict) -> bool:
-        """One request row (or an input error row, with "error"); False when ignored."""
+        """One request row (or an input error row, with "error"); False when ignored or a
+        duplicate's (`Duplicates`)."""
         d_id = row["doc_id"]
-        if d_id in self.finished_ids:
+        if self.duplicates.check(row, d_id in self.docs, self.outcomes.dead) or d_id in self.finished_ids:
             return False
         if row.get("error") and row.get("task"):  # one task's prompt failed for this document
             doc = self.docs.setdefault(d_id, Document(d_id))
@@ -554,12 +604,6 @@ class Dispatcher:
             self.stats["solo_batches"] += b.solo is not None
         return out
 
-    def _pick_decode(self, now: float, avoid=()) -> tuple[bool, WorkerKey | None]:
-        if not self.pd:
-            return True, None
-        d = self.workers.pick("decode", now, avoid)
-        return d is not None, d
-
     def _new_batch(self, entries: list, front: WorkerKey, decode: WorkerKey | None, solo: str | None = None) -> Batch:
         rows = [e[0] for e in entries]
         riders = {request_id(e[0]): list(e[1]) for e in entries if e[1]}
@@ -609,7 +653,7 @@ class Dispatcher:
                 continue
             doc = self.docs[d_id]
             front = self.workers.pick(self.front_role, now, avoid=doc.failed_on)
-            ok, decode = self._pick_decode(now, avoid=doc.failed_on)
+            ok, decode = self.workers.pick_decode(now, avoid=doc.failed_on)
             if front is None or not ok:
                 return
             self.retry.pop(d_id)
@@ -628,7 +672,7 @@ class Dispatcher:
                 self.routed.popleft()
                 continue
             front = self.workers.pick(self.front_role, now, prefer=w)
-            ok, decode = self._pick_decode(now)
+            ok, decode = self.workers.pick_decode(now)
             if front is None or not ok:
                 return
             self.routed.popleft()
@@ -722,6 +766,7 @@ class Dispatcher:
         """Committed or dead-lettered: later input rows of the document are ignored."""
         self.docs.pop(doc.doc_id, None)
         self.finished_ids.add(doc.doc_id)
+        self.outcomes.dead.extend(self.duplicates.release(doc.doc_id))  # in the document's commit
         self.isolation.forget(doc.doc_id)
 
     def take_completed(self) -> list[Document]:
