@@ -30,12 +30,13 @@ def prompt_actors(cluster_cpus: float, parse_concurrency: int = 1) -> tuple[int,
     return 1, top
 
 
-def build(spec, files: list[str], skip_doc_ids: set[str], parse_concurrency: int = 1):
+def build(spec, files: list[str], skip_doc_ids, parse_concurrency: int = 1):
     import ray
 
     from connectors.listing import limited_reads
     from connectors.parse import parse_file
     from connectors.secrets import seal, without_storage_options
+    from dlbatch.prompts.skip import SkipSet
     from dlbatch.prompts.stage import PromptStage
 
     inp = spec.input
@@ -51,7 +52,8 @@ def build(spec, files: list[str], skip_doc_ids: set[str], parse_concurrency: int
                      num_cpus=0.25)
     lo, hi = prompt_actors(ray.cluster_resources().get("CPU", 1.0), parse_concurrency)
     ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec=without_storage_options(spec),
-                                                                skip_doc_ids=sorted(skip_doc_ids),
+                                                                skip_doc_ids=(skip_doc_ids if isinstance(skip_doc_ids, SkipSet)
+                                                                              else SkipSet(skip_doc_ids)),
                                                                 map_reduce=True),
                         batch_size=None, batch_format="pyarrow", concurrency=(lo, hi), num_cpus=0.25)
     return ds

@@ -52,7 +52,7 @@ def test_progress_reads_index_files_not_the_parts(tmp_path, monkeypatch):
     monkeypatch.setattr(store.fs, "cat_file", lambda p, *a, **k: (read.append(p), real(p, *a, **k))[1])
     prog = store.progress(tasks=set(TASKS))
     assert prog["rows"] == len(expected) == 20 and prog["duplicates"] == 0
-    assert len(prog["docs_done"]) == 10 and prog["prompt_tokens"] == 200 and prog["output_tokens"] == 40
+    assert prog["n_done"] == 10 and prog["prompt_tokens"] == 200 and prog["output_tokens"] == 40
     parts_read = [p for p in read if "/" + INDEX_DIR + "/" not in p and os.path.basename(p).startswith("part-")]
     assert parts_read == [] and len(read) == 5  # five index files, no part (no output text)
 
@@ -74,7 +74,7 @@ def test_sources_done_only_when_all_their_docs_are(tmp_path):
     store.commit_errors([{"doc_id": "d1", "source": "d.txt", "stage": "parse", "error_type": "E", "error": "x"}])
     prog = store.progress(tasks=set(TASKS))
     assert prog["sources_done"] == {"a.txt", "b.txt", "d.txt"}  # c.txt: its document lacks a task
-    assert prog["docs_failed"] == {"b2", "d1"}
+    assert set(prog["failed_ids"].to_pylist()) == {"b2", "d1"}
 
 
 # ---------------------------------------------------------------- commits that report errors
@@ -130,7 +130,7 @@ def test_disk_full_after_the_part_costs_only_its_index(tmp_path, plan):
     assert plan.injected["enospc"] >= 1
     plan.enospc_after = None
     prog = store.progress(tasks=set(TASKS))
-    assert prog["rows"] == 2 and prog["docs_done"] == {"a"}
+    assert prog["rows"] == 2 and prog["done_ids"].to_pylist() == ["a"]
 
 
 @pytest.mark.parametrize("crash_at", range(0, 6))
@@ -144,7 +144,7 @@ def test_crash_at_every_step_of_a_commit(tmp_path, plan, crash_at):
         pass
     plan.crash_after = None
     rerun = OutputStore(f"faultfile://{tmp_path}/out")  # a new driver: resumes from what is committed
-    done = rerun.progress(tasks=set(TASKS))["docs_done"]
+    done = rerun.progress(tasks=set(TASKS))["done_ids"].to_pylist()
     if "b" not in done:
         rerun.commit_results(_doc_rows("b"), False)
     assert _keys(rerun.results()) == sorted((d, t) for d in "ab" for t in TASKS)

@@ -169,8 +169,9 @@ def test_task_error_counts_as_the_tasks_outcome(tmp_path):
     store.commit_errors([{"doc_id": "d", "source": "s", "task": "b", "stage": "prompt", "error_type": "TemplateError",
                           "error": "boom"},
                          {"doc_id": "e", "source": "s", "task": None, "stage": "parse", "error_type": "X", "error": "y"}])
-    p = store.progress()
-    assert p["tasks_by_doc"]["d"] == {"a", "b"} and p["docs_failed"] == {"e"}
+    assert store.progress(tasks={"a", "b"})["done_ids"].to_pylist() == ["d"]  # b's outcome is its error row
+    assert store.progress(tasks={"a", "b", "c"})["done_ids"].to_pylist() == []
+    assert store.progress()["failed_ids"].to_pylist() == ["e"]
     assert store.errors().to_pylist()[0]["task"] == "b"
 
 

@@ -158,43 +158,61 @@ class OutputStore:
         return pa.concat_tables(tables) if tables else pa.table({c: [] for c in INDEX_COLUMNS})
 
     def progress(self, tasks: set[str] | None = None) -> dict:
-        """What is committed: done/failed doc ids, tasks per doc, tokens, from the index.
-        ``sources_done``: sources all of whose documents are done (every task of ``tasks``,
-        any task when None) or dead-lettered."""
+        """What is committed, from the index files and the dead letters, computed in Arrow
+        (the driver holds no Python object per row: a resume of a million documents costs
+        columns, not sets of strings):
+
+        ``done_ids``   documents whose outcomes cover every task of ``tasks`` (a result row,
+                       or a dead letter of that task alone); any result row when None
+        ``failed_ids`` documents dead-lettered whole (no result row)
+        ``n_done``, ``n_failed``, ``rows``, ``prompt_tokens``, ``output_tokens``,
+        ``duplicates`` (result rows beyond one per (document, task))
+        ``sources``    input files with committed rows (`connectors.versions.source_file`)
+        ``sources_done`` one-document files (pdf, text) whose document is done or failed"""
         import pyarrow as pa
+        import pyarrow.compute as pc
 
-        from connectors.versions import source_file
+        from connectors.versions import source_files
 
-        idx = self.index().to_pydict()
+        idx = self.index()
         err = self.errors()  # dead letters are few; parts written before the task column lack it
         pending = [t for _, t in self.pending_error_copies()]
         if pending:
             err = pa.concat_tables([err, *pending], promote_options="default") if err.num_rows else \
                 pa.concat_tables(pending)
-        errs = {c: (err.column(c).to_pylist() if c in err.column_names else [None] * err.num_rows)
-                for c in ("doc_id", "source", "task")}
-        docs: dict[str, set] = {}
-        by_source: dict[str, set] = {}
-        for d, s, t in zip(idx["doc_id"], idx["source"], idx["task"]):
-            docs.setdefault(d, set()).add(t)
-            by_source.setdefault(s, set()).add(d)
-        for d, s, t in zip(errs["doc_id"], errs["source"], errs["task"]):
-            by_source.setdefault(s, set()).add(d)
-            if t and d in docs:  # a task that failed alone has its outcome: the document is not redone for it
-                docs[d].add(t)
-        done = {d for d, ts in docs.items() if tasks is None or ts >= set(tasks)}
-        failed = set(errs["doc_id"]) - set(docs)
-        n = len(idx["doc_id"])
+
+        def strings(t, c):
+            return (t.column(c).cast(pa.string()) if c in t.column_names else pa.nulls(t.num_rows, pa.string()))
+
+        res = pa.table({c: strings(idx, c) for c in ("doc_id", "source", "task")})
+        errs = pa.table({c: strings(err, c) for c in ("doc_id", "source", "task")})
+        with_rows = pc.unique(res["doc_id"])
+        alone = errs.filter(pc.and_(pc.is_valid(errs["task"]), pc.is_in(errs["doc_id"], value_set=with_rows)))
+        if tasks is None:
+            done = with_rows
+        else:  # a task that failed alone has its outcome: the document is not redone for it
+            outcomes = pa.concat_tables([res.select(["doc_id", "task"]), alone.select(["doc_id", "task"])])
+            outcomes = outcomes.filter(pc.is_in(outcomes["task"], value_set=pa.array(sorted(tasks), pa.string())))
+            per = outcomes.group_by("doc_id").aggregate([("task", "count_distinct")])
+            done = per.filter(pc.equal(per["task_count_distinct"], len(set(tasks))))["doc_id"].combine_chunks()
+        failed = pc.unique(errs.filter(pc.invert(pc.is_in(errs["doc_id"], value_set=with_rows)))["doc_id"])
+        pairs = pa.concat_tables([res.select(["source", "doc_id"]), errs.select(["source", "doc_id"])])
+        files = pc.unique(source_files(pairs["source"]).drop_null())
+        whole = pairs.filter(pc.equal(pairs["source"], source_files(pairs["source"])))  # one-document files
+        ok = pc.is_in(whole["doc_id"], value_set=pa.concat_arrays([done, failed.cast(pa.string())]))
+        g = pa.table({"source": whole["source"], "ok": ok}).group_by("source").aggregate([("ok", "all")])
+        n = res.num_rows
         return {
             "rows": n,
-            "docs_done": set(docs),
-            "docs_failed": failed,
-            "tasks_by_doc": docs,
-            "sources_done": {s for s, ds in by_source.items() if ds <= done | failed},
-            "sources": {source_file(s) for s in by_source if s},  # input files with committed rows
-            "prompt_tokens": sum(x or 0 for x in idx["prompt_tokens"]),
-            "output_tokens": sum(x or 0 for x in idx["output_tokens"]),
-            "duplicates": n - len(set(zip(idx["doc_id"], idx["task"]))),
+            "done_ids": done,
+            "failed_ids": failed,
+            "n_done": len(done),
+            "n_failed": len(failed),
+            "sources_done": set(g.filter(g["ok_all"])["source"].to_pylist()),
+            "sources": set(files.to_pylist()),
+            "prompt_tokens": int(pc.sum(idx.column("prompt_tokens")).as_py() or 0) if n else 0,
+            "output_tokens": int(pc.sum(idx.column("output_tokens")).as_py() or 0) if n else 0,
+            "duplicates": n - res.group_by(["doc_id", "task"]).aggregate([]).num_rows,
         }
 
     # ---- committing -----------------------------------------------------------------------

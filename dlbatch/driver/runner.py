@@ -73,7 +73,10 @@ class JobRunner:
     def _run_leased(self, store, t_start: float, io_retries_start: int) -> dict:
         from connectors import list_inputs
         from connectors.io_retry import retry_count
+        import pyarrow as pa
+
         from connectors.versions import input_versions, versions_digest
+        from dlbatch.prompts.skip import SkipSet
         from dlbatch.jobspec import check_resume_compatible, content_fields, fingerprint_fields, job_fingerprint
         from dlbatch.report.run import RunReport
 
@@ -112,35 +115,35 @@ class JobRunner:
         report.inputs_replaced = replaced
         task_names = {t.name for t in spec.tasks}
         prog = store.progress(tasks=task_names)  # from the parts' index files, not their text
-        done_ok = {d for d, ts in prog["tasks_by_doc"].items() if ts >= task_names}
         report.inputs_deleted = sorted(prog["sources"] - listed)
         if report.inputs_deleted:
             log.warning("%d inputs with committed rows are gone from %s (their rows stay; --fresh starts over): %s",
                         len(report.inputs_deleted), spec.input.path, ", ".join(report.inputs_deleted[:5]))
         if manifest and manifest.get("complete") and manifest.get("inputs") == sig:
-            print(f"job {spec.name!r} is already complete in {spec.output.path}: {len(done_ok)} documents done, "
-                  f"{len(prog['docs_failed'])} failed; nothing to do (use --fresh to start over)", file=sys.stderr)
-            return {"noop": True, "docs_ok": len(done_ok), "docs_failed": len(prog["docs_failed"]),
+            print(f"job {spec.name!r} is already complete in {spec.output.path}: {prog['n_done']} documents done, "
+                  f"{prog['n_failed']} failed; nothing to do (use --fresh to start over)", file=sys.stderr)
+            return {"noop": True, "docs_ok": prog["n_done"], "docs_failed": prog["n_failed"],
                     "rows_written": prog["rows"]}
         store.write_json("_manifest.json", {"name": spec.name, "fingerprint": job_fingerprint(spec, content),
                                             "fields": {**fingerprint_fields(spec), **content}, "inputs": sig,
                                             "complete": False,
                                             "started": t_start})
         todo = [f for f in files if f not in prog["sources_done"]] if by_file else files
-        report.already_done, report.already_failed = len(done_ok), len(prog["docs_failed"])
+        report.already_done, report.already_failed = prog["n_done"], prog["n_failed"]
         if not todo:
             report = report.finish(store, compaction=self._compact_output(store))
             store.write_json("_manifest.json", {**store.read_json("_manifest.json"), "complete": True})
             print(f"job {spec.name!r}: every input is already processed; nothing to do", file=sys.stderr)
             return report
-        out = self._run_pools(store, todo, done_ok | prog["docs_failed"], report,
+        skip = SkipSet(pa.concat_arrays([prog["done_ids"], prog["failed_ids"]]))  # 8 bytes per document
+        out = self._run_pools(store, todo, skip, report,
                               docs_total_hint=len(files) if by_file else None)
         out = out.finish(store, retries={"worker": out.retries, "io": retry_count() - io_retries_start})
         store.write_json("_manifest.json", {**(store.read_json("_manifest.json") or {}), "complete": True,
                                             "inputs": sig})
         return out
 
-    def _run_pools(self, store, files: list[str], skip_docs: set, report, docs_total_hint: int | None):
+    def _run_pools(self, store, files: list[str], skip_docs, report, docs_total_hint: int | None):
         """Workers up, input flowing, the loop run: what the report needs to finish."""
         from dlbatch.driver.feed import BatchPrefetcher
         from pipelines import get_pipeline

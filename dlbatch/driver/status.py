@@ -1,8 +1,8 @@
 """`dlbatch status`: how far a job is, read from its output (no Ray, no model).
 
 Done, failed and pending documents come from the committed parts' index files and the
-input listing; only table inputs (JSONL, Parquet, HF), whose files hold many documents, are
-read to count them.
+input listing; table inputs (JSONL, Parquet, HF), whose files hold many documents, are
+counted without parsing them (`connectors.listing.count_rows`: JSONL lines, Parquet footers).
 """
 from __future__ import annotations
 
@@ -15,25 +15,23 @@ def job_status(spec) -> dict:
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
     tasks = {t.name for t in spec.tasks}
     prog = store.progress(tasks=tasks)  # from the parts' index files
-    done = {d for d, ts in prog["tasks_by_doc"].items() if ts >= tasks}
     files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
     if spec.input.limit is not None and spec.input.format in ("pdf", "text"):
         files = files[:spec.input.limit]
     if spec.input.format in ("pdf", "text"):
         total = len(files)
-    else:  # count documents without Ray
-        from connectors import read_document_file
+    else:  # count documents without Ray and without parsing them: lines, Parquet footers
+        from connectors.listing import count_rows
 
+        stop = spec.input.limit if spec.input.limit is not None else 1 << 62
         total = 0
         for f in files:
-            for _ in read_document_file(f, spec.input.format, text_field=spec.input.text_field,
-                                        id_field=spec.input.id_field,
-                                        storage_options=dict(spec.input.storage_options)):
-                total += 1
-        if spec.input.limit is not None:
-            total = min(total, spec.input.limit)
+            total += count_rows(f, spec.input.format, stop - total, dict(spec.input.storage_options),
+                                text_field=spec.input.text_field, id_field=spec.input.id_field)
+            if total >= stop:
+                break
     manifest = store.read_json("_manifest.json") or {}
-    return {"job": spec.name, "output": spec.output.path, "docs_total": total, "docs_done": len(done),
-            "docs_failed": len(prog["docs_failed"]), "docs_pending": max(0, total - len(done) - len(prog["docs_failed"])),
+    return {"job": spec.name, "output": spec.output.path, "docs_total": total, "docs_done": prog["n_done"],
+            "docs_failed": prog["n_failed"], "docs_pending": max(0, total - prog["n_done"] - prog["n_failed"]),
             "rows": prog["rows"], "duplicate_rows": prog["duplicates"], "prompt_tokens": prog["prompt_tokens"],
             "output_tokens": prog["output_tokens"], "complete": bool(manifest.get("complete"))}

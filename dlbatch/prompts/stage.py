@@ -56,6 +56,7 @@ class PromptStage:
 
     def __init__(self, spec, skip_doc_ids=None, map_reduce: bool = False):
         """``spec``: the validated job (`dlbatch.jobspec.JobSpec`; pickled to Ray Data's actors)."""
+        from dlbatch.prompts.skip import SkipSet
         from dlbatch.prompts.templates import compile_task_templates
 
         self.spec = spec
@@ -70,9 +71,8 @@ class PromptStage:
         # one renderer per task: a task whose prompt cannot be rendered for a document fails alone
         self.renders = [compile_task_templates([t]) for t in self.spec.tasks]
         self.map_reduce = map_reduce   # True: `chunk` documents become ChunkPlan map rows
-        self.skip = set(skip_doc_ids or ())
-        if hasattr(skip_doc_ids, "__ray_ref__"):  # pragma: no cover
-            self.skip = set()
+        # ids not to redo: a SkipSet (8 bytes per id) from the driver, or any iterable of ids
+        self.skip = skip_doc_ids if isinstance(skip_doc_ids, SkipSet) else SkipSet(skip_doc_ids or ())
 
     def _encode(self, k: int, prompt: str) -> list[int]:
         """Task k's prompt -> token ids: raw, or through the chat template with the task's

@@ -19,6 +19,34 @@ from dlbatch.report.timeline import GenerationTimeline, StartupClock
 log = logging.getLogger("dlbatch.run")
 
 
+class Sample:
+    """A uniform sample of at most ``size`` of the values added (reservoir sampling, seeded):
+    the report's token histograms cost the same memory for a thousand rows or a billion."""
+
+    def __init__(self, size: int = 10_000, seed: int = 0):
+        import random
+
+        self.size, self.seen, self.values = size, 0, []
+        self._rng = random.Random(seed)
+
+    def __iadd__(self, values) -> "Sample":
+        for v in values:
+            self.seen += 1
+            if len(self.values) < self.size:
+                self.values.append(v)
+            else:
+                j = self._rng.randrange(self.seen)
+                if j < self.size:
+                    self.values[j] = v
+        return self
+
+    def __iter__(self):
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
 @dataclass
 class Tally:
     """What this run committed, for the report, the metrics and the progress line."""
@@ -31,8 +59,8 @@ class Tally:
     rows_written: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
-    prompt_hist: list = field(default_factory=list)
-    output_hist: list = field(default_factory=list)
+    prompt_hist: Sample = field(default_factory=Sample)  # tokens per request, sampled: bounded memory
+    output_hist: Sample = field(default_factory=Sample)
     # documents by the long-input policy applied to them ("fit": none was needed; "skip": dead-lettered)
     policies: collections.Counter = field(default_factory=collections.Counter)
 
