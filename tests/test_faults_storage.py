@@ -8,7 +8,9 @@ import stat
 
 import pytest
 
+
 from dlbatch.testing.faultfs import FaultPlan, install
+from tests.helpers.fake_workers import FakeWorker
 from tests.helpers.jobs import SEQ, canon, output_rows, run_job, write_jsonl
 
 DOCS3 = {"alpha": "Solar cells convert light into electricity with perovskite absorbers. " * 4,
@@ -184,17 +186,6 @@ def test_remote_gguf_copy_goes_to_the_private_cache(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- shm
-class _Remote:
-    def __init__(self, fn):
-        self.remote = fn
-
-
-class _FakeWorker:
-    def __init__(self, node):
-        self.ping = _Remote(lambda: {"pid": 1, "node_id": node})
-        self.cleaned = []
-        self.shm_cleanup = _Remote(lambda close: self.cleaned.append(close) or [])
-
 
 def _pools(via, workers):
     from dlbatch.driver.pools import WorkerPools
@@ -211,11 +202,11 @@ def test_shm_across_nodes_fails_at_start_naming_the_nodes(monkeypatch):
     from dlbatch.driver.pools import JobFailed
 
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
-    split = {"prefill": [_FakeWorker("aaaa")], "decode": [_FakeWorker("aaaa"), _FakeWorker("bbbb")]}
+    split = {"prefill": [FakeWorker("aaaa")], "decode": [FakeWorker("aaaa"), FakeWorker("bbbb")]}
     with pytest.raises(JobFailed, match=r"kv_transport='shm' needs every prefill and decode worker on one node.*"
                                         r"2 nodes.*decode\[1\]"):
         _pools("shm", split)._check_shm_same_node()
-    same = {"prefill": [_FakeWorker("aaaa")], "decode": [_FakeWorker("aaaa")]}
+    same = {"prefill": [FakeWorker("aaaa")], "decode": [FakeWorker("aaaa")]}
     _pools("shm", same)._check_shm_same_node()  # one node: fine, and stale segments swept there
     assert same["decode"][0].cleaned == [False]
     _pools("object_store", split)._check_shm_same_node()  # other transports: not concerned

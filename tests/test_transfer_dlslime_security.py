@@ -14,10 +14,12 @@ import socket
 import numpy as np
 import pytest
 
+
 from dlbatch.transfer import dlslime_transport as D
 from dlbatch.transfer import payload as P
 from dlbatch.transfer.choose import choose_transport, get_transport, one_node_reason
 from dlbatch.transfer.errors import TransportUnavailable
+from tests.helpers.fake_workers import FakeWorker, Remote
 
 FP = "llama:security"
 ENV = "DLBATCH_DLSLIME_ALLOW_NETWORK"  # set by the driver on its workers from cluster.dlslime_allow_network
@@ -140,16 +142,6 @@ def test_transfer_within_one_loopback_scope_still_works(live):
 
 
 # ------------------------------------------------------------------ placement of the job's workers
-class _Remote:
-    def __init__(self, fn):
-        self.remote = fn
-
-
-class _FakeWorker:
-    def __init__(self, node):
-        self.ping = _Remote(lambda: {"pid": 1, "node_id": node})
-        self.shm_cleanup = _Remote(lambda close: [])
-
 
 def _pools(workers, overrides=()):
     from dlbatch.driver.pools import WorkerPools
@@ -173,11 +165,11 @@ def test_dlslime_pools_across_nodes_fail_at_start_without_opt_in(monkeypatch):
     from dlbatch.driver.pools import JobFailed
 
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
-    split = {"prefill": [_FakeWorker("aaaa")], "decode": [_FakeWorker("bbbb")]}
+    split = {"prefill": [FakeWorker("aaaa")], "decode": [FakeWorker("bbbb")]}
     with pytest.raises(JobFailed, match=r"kv_transport='dlslime' needs every prefill and decode worker on one node.*"
                                         r"2 nodes.*cluster\.dlslime_allow_network: true"):
         _pools(split)._check_shm_same_node()
-    _pools({"prefill": [_FakeWorker("aaaa")], "decode": [_FakeWorker("aaaa")]})._check_shm_same_node()
+    _pools({"prefill": [FakeWorker("aaaa")], "decode": [FakeWorker("aaaa")]})._check_shm_same_node()
     _pools(split, ["cluster.dlslime_allow_network=true"])._check_shm_same_node()  # opted in: across nodes
 
 
@@ -203,7 +195,7 @@ def test_workers_get_the_jobs_opt_in_not_the_drivers_env(monkeypatch, opt_in):
     class _Cls:
         def options(self, **opts):
             made.append(opts)
-            return _Remote(lambda spec: object())
+            return Remote(lambda spec: object())
 
     monkeypatch.setattr(session, "start_ray", lambda address, chips: False)
     monkeypatch.setattr(loader, "model_dir", lambda ref: None)
