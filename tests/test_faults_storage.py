@@ -86,16 +86,16 @@ def test_appended_rows_and_raised_limit_are_processed_committed_not_redone(ray_l
 
 @pytest.mark.ray
 def test_a_replaced_input_is_redone_and_a_deleted_one_reported(ray_local, sample_model, tmp_path):
-    """An input replaced in place by a same-size file that keeps its mtime is redone, its
+    """A text file replaced in place by a same-size file that keeps its mtime is redone, its
     old rows gone (not a no-op, not duplicates); a deleted input is reported, its rows kept."""
     folder = tmp_path / "in"
     folder.mkdir()
-    for name, (k, v) in zip("ab", list(DOCS3.items())[:2]):
-        write_jsonl(folder / f"{name}.jsonl", {k: v})
+    for name, v in zip("ab", list(DOCS3.values())[:2]):
+        (folder / f"{name}.txt").write_text(v)
     out = str(tmp_path / "out")
-    extra = [f"input.path={folder}", "input.id_field=id"]
+    extra = [f"input.path={folder}", "input.format=text"]
     assert run_job("jobs/papers_jsonl.yaml", out, extra)["docs_ok"] == 2
-    b = folder / "b.jsonl"
+    b = folder / "b.txt"
     old_text = b.read_text()
     st = b.stat()
     new_text = old_text.replace("a", "o")
@@ -104,11 +104,12 @@ def test_a_replaced_input_is_redone_and_a_deleted_one_reported(ray_local, sample
     os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns))
     rep = run_job("jobs/papers_jsonl.yaml", out, extra)
     assert not rep.get("noop") and rep["inputs_replaced"]["count"] == 1 and rep["docs_this_run"] == 1
-    keys = [(r["doc_id"], r["task"]) for r in output_rows(out)]
-    assert len(keys) == len(set(keys)) == 6
+    rows = output_rows(out)
+    keys = [(r["doc_id"], r["task"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 6 and {r["source"] for r in rows} == {str(folder / "a.txt"), str(b)}
     b.unlink()
     rep = run_job("jobs/papers_jsonl.yaml", out, extra)
-    assert rep["inputs_deleted"]["count"] == 1 and rep["inputs_deleted"]["sources"][0].endswith("b.jsonl")
+    assert rep["inputs_deleted"]["count"] == 1 and rep["inputs_deleted"]["sources"][0].endswith("b.txt")
     assert rep["docs_ok"] == 2 and len(output_rows(out)) == 6
 
 

@@ -7,9 +7,9 @@ pipeline, prefetched by `BatchPrefetcher`), and runs the `DispatchLoop` until ev
 document is committed or dead-lettered; `RunReport` writes the report at the end.
 
 Invariants: a rerun with other output-determining settings is refused (the manifest's
-fingerprint); documents already committed are never redone unless their input's content
-changed (connectors.versions: then its old rows are superseded first); a job whose inputs
-are unchanged since it completed is a no-op.
+fingerprint); documents already committed are never redone unless their one-document
+input file (pdf, text) changed content (connectors.versions: then its old rows are
+superseded first); a job whose inputs are unchanged since it completed is a no-op.
 """
 from __future__ import annotations
 
@@ -105,7 +105,10 @@ class JobRunner:
         versions = input_versions(files, dict(spec.input.storage_options), cache=recorded)
         report.startup.end("input_versions")
         sig = versions_digest(versions, spec.input.limit)
-        replaced = sorted(f for f, (_, v) in versions.items() if f in recorded and recorded[f][1] != v)
+        # a one-document file (pdf, text) is its document: new content, new rows. A file of
+        # records keeps row identity (ids): appended rows are new documents, committed ones stay
+        replaced = sorted(f for f, (_, v) in versions.items()
+                          if by_file and f in recorded and recorded[f][1] != v)
         if replaced:  # their old rows go before anything is read as done; then the inputs are redone
             n = store.supersede(set(replaced))
             log.warning("%d inputs changed since their rows were committed (%s); %d old rows removed, redoing them",
