@@ -1,6 +1,6 @@
 """Generate the sample scientific-paper PDFs under samples/papers/.
 
-    .venv/bin/python samples/make_samples.py            # (re)writes samples/papers/*.pdf
+    .venv/bin/python samples/make_samples.py            # (re)writes samples/papers/*.pdf and samples/papers.jsonl
 
 The text of every paper is original to this project (Apache-2.0, see samples/README.md).
 Layout features the PDF connector must undo:
@@ -846,7 +846,21 @@ def word_count(paper: Paper) -> int:
     return sum(len(p.split()) for p in paper.paragraphs())
 
 
+def write_jsonl(path: pathlib.Path) -> pathlib.Path:
+    """The same papers as JSON Lines (``id``, ``title``, ``text``: the source text in reading
+    order, paragraphs separated by blank lines), the input of jobs/papers_jsonl.yaml."""
+    import json
+
+    with open(path, "w", encoding="utf-8") as f:
+        for paper in PAPERS:
+            body = "\n\n".join(paper.paragraphs()[1:])
+            f.write(json.dumps({"id": paper.slug, "title": paper.title, "text": body}, ensure_ascii=False) + "\n")
+    print(f"{path.name}: {len(PAPERS)} papers as JSON Lines")
+    return path
+
+
 def main(out_dir: pathlib.Path | None = None) -> list[pathlib.Path]:
+    write_jsonl(pathlib.Path(__file__).resolve().parent / "papers.jsonl")
     out_dir = out_dir or pathlib.Path(__file__).resolve().parent / "papers"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

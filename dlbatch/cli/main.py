@@ -54,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     from dlbatch import bench
-    from dlbatch.cli import cluster, jobs, solver
+    from dlbatch.cli import cluster, jobs, solver, validate
 
-    return [jobs.register, bench.register, cluster.register, solver.register]
+    return [jobs.register, validate.register, bench.register, cluster.register, solver.register]
 
 
 
@@ -76,11 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except ValueError as e:  # bad user input: say what and exit 2
+    except (ValueError, OSError) as e:  # bad user input (a value, a path): say what and exit 2
         if args.verbose:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}", file=sys.stderr)
         return EXIT_INVALID
+    except Exception as e:  # never a traceback unless asked for (-v)
+        if args.verbose:
+            raise
+        print(f"error: {type(e).__name__}: {e} (dlbatch -v ... shows the traceback)", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def entry() -> None:
