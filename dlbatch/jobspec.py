@@ -338,6 +338,7 @@ class TaskSpec(BaseModel):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # merged over model.chat_template_kwargs
     raw: bool = False  # the prompt goes to the model as is, without the chat template
     long_inputs: Optional[LongInputPolicy] = None   # None: the job's long_inputs
+    sampling: Optional[TaskSamplingSpec] = None     # None: the job's sampling
 
     @model_validator(mode="after")
     def _check_template(self) -> "TaskSpec":
@@ -387,6 +388,33 @@ class SamplingSpec(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     seed: int = Field(0, ge=0)
+    stop: list[str] = Field(default_factory=list)  # generation ends at the first of these (not in the output)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: list[str]) -> list[str]:
+        bad = [x for x in v if not x]
+        if bad:
+            raise ValueError(f"stop strings must be non-empty, got {v!r}")
+        return v
+
+
+class TaskSamplingSpec(BaseModel):
+    """A task's own sampling: each field set here replaces the job's ``sampling`` for it."""
+    model_config = _STRICT
+
+    temperature: Optional[float] = Field(None, ge=0.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=0)
+    seed: Optional[int] = Field(None, ge=0)
+    stop: Optional[list[str]] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        if v is not None and any(not x for x in v):
+            raise ValueError(f"stop strings must be non-empty, got {v!r}")
+        return v
 
 
 class RouterSpec(BaseModel):
@@ -913,6 +941,7 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
         "sampling.top_p": spec.sampling.top_p,
         "sampling.top_k": spec.sampling.top_k,
         "sampling.seed": spec.sampling.seed,
+        **({"sampling.stop": list(spec.sampling.stop)} if spec.sampling.stop else {}),  # older outputs resume
         "long_inputs": spec.long_inputs,
         "input.format": spec.input.format,
         "input.path": spec.input.path,
@@ -932,6 +961,8 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
         if task.output is not None or task.system is not None or task.chat_template_kwargs or task.raw:
             fields[f"tasks.{task.name}.output"] = task.output.model_dump() if task.output is not None else None
             fields[f"tasks.{task.name}.chat"] = [task.system, task.chat_template_kwargs, task.raw]
+        if task.sampling is not None:  # only when set: older jobs keep their fingerprint
+            fields[f"tasks.{task.name}.sampling"] = task.sampling.model_dump(exclude_none=True)
         if task.long_inputs is not None:  # only when set: older jobs keep their fingerprint
             fields[f"tasks.{task.name}.long_inputs"] = task.long_inputs
     if "chunk" in {spec.long_inputs, *(t.long_inputs for t in spec.tasks)}:

@@ -31,7 +31,8 @@ def request_params(r: dict):
 
     return SamplingParams(max_tokens=int(r["max_tokens"]), temperature=float(r.get("temperature", 0.0)),
                           top_p=float(r.get("top_p", 1.0)), top_k=int(r.get("top_k", 0)), seed=r.get("seed"),
-                          ignore_eos=bool(r.get("ignore_eos", False)), constraint=r.get("constraint"))
+                          ignore_eos=bool(r.get("ignore_eos", False)), stop=tuple(r.get("stop") or ()),
+                          constraint=r.get("constraint"))
 
 
 class NativeBackend(EngineBackend):

@@ -15,6 +15,7 @@ import time
 
 from dlbatch.driver.pools import MAX_RESTARTS, JobFailed
 from dlbatch.prompts import structured
+from dlbatch.prompts.sampling import task_sampling
 
 log = logging.getLogger("dlbatch.run")
 
@@ -164,14 +165,17 @@ class DispatchLoop:
         from dlbatch.router import Router, RouterConfig
         from dlbatch.router.grouping import make_sampling_key
 
-        spec, smp = self.spec, self.spec.sampling
+        spec = self.spec
         n_front = len(workers.get("prefill") or workers["colocated"])
         folds = structured.fold_keys(spec)  # a constrained task is never folded onto another task's request
 
-        def key(r):
-            if smp.temperature == 0 and r["task"] not in folds:
-                return None
+        def key(r):  # requests fold only when they would sample alike: same sampling, constraint, stop
+            smp = task_sampling(spec, r["task"])
             extra = {"constraint": folds[r["task"]]} if r["task"] in folds else {}
+            if smp.stop:
+                extra["stop"] = tuple(smp.stop)
+            if smp.temperature == 0 and not extra:
+                return None
             return make_sampling_key(f"{r['doc_id']}::{r['task']}", smp.temperature, smp.top_p, smp.top_k,
                                      int(r["seed"]), **extra)
 
@@ -187,12 +191,15 @@ class DispatchLoop:
         """Request rows -> the items a worker takes. The map and reduce requests of a chunked
         task ("<task>#<key>") write free-text notes: a constrained task's constraint applies
         to its final row's parse, not to its notes."""
-        smp = self.spec.sampling
-        return [{"request_id": f"{r['doc_id']}::{r['task']}", "token_ids": list(r["prompt_ids"]),
-                 "max_tokens": int(r["max_tokens"]), "temperature": smp.temperature, "top_p": smp.top_p,
-                 "top_k": smp.top_k, "seed": int(r["seed"]) if smp.temperature > 0 else None,
-                 **({"constraint": self.constraints[r["task"]]} if r["task"] in self.constraints else {})}
-                for r in rows]
+        items = []
+        for r in rows:
+            smp = task_sampling(self.spec, r["task"])  # the job's sampling, the task's own over it
+            items.append({"request_id": f"{r['doc_id']}::{r['task']}", "token_ids": list(r["prompt_ids"]),
+                          "max_tokens": int(r["max_tokens"]), "temperature": smp.temperature, "top_p": smp.top_p,
+                          "top_k": smp.top_k, "seed": int(r["seed"]) if smp.temperature > 0 else None,
+                          **({"stop": list(smp.stop)} if smp.stop else {}),
+                          **({"constraint": self.constraints[r["task"]]} if r["task"] in self.constraints else {})})
+        return items
 
     def _make_map_reduce(self):
         """The map -> reduce driver of `long_inputs: chunk` (dlbatch.prompts.map_reduce), when a task uses it."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 
+from dlbatch.prompts.sampling import task_sampling
 from dlbatch.prompts.stage import derive_seed
 
 log = logging.getLogger("dlbatch.run")
@@ -85,7 +86,7 @@ class MapReduce:
                      "/".join(sorted({str(r.level) for r in new})), plan.num_chunks)
         return [{**first, "task": f"{r.task}{SEP}{r.key}", "task_index": r.task_index, "prompt_ids": r.prompt_ids,
                  "max_tokens": r.max_tokens, "chunk_index": None,
-                 "seed": derive_seed(self.spec.sampling.seed, doc.doc_id, f"{r.task}/{r.key}")} for r in new]
+                 "seed": derive_seed(task_sampling(self.spec, r.task).seed, doc.doc_id, f"{r.task}/{r.key}")} for r in new]
 
     def output_rows(self, doc, model: str, extra=None) -> list[dict]:
         """The document's result rows: its plain tasks as `Document.output_rows` gives them,

@@ -20,6 +20,7 @@ import logging
 
 from connectors.parse import STRUCTURE_KEYS
 from connectors.repair import repair_row, repair_text
+from dlbatch.prompts.sampling import task_sampling
 
 log = logging.getLogger("dlbatch.prompts.stage")
 
@@ -182,7 +183,8 @@ class PromptStage:
                             "task_index": k})
             elif k not in chunked:
                 out.append({**base, "task": t.name, "task_index": k, "prompt_ids": ids[k], "max_tokens": t.max_tokens,
-                            "truncated": bool(marks[k]), "seed": derive_seed(spec.sampling.seed, doc["doc_id"], t.name),
+                            "truncated": bool(marks[k]),
+                            "seed": derive_seed(task_sampling(spec, t.name).seed, doc["doc_id"], t.name),
                             "stage": None, "error_type": None, "error": None, **_NO_MARK, **marks[k]})
         return out + map_rows
 
@@ -215,7 +217,7 @@ class PromptStage:
         index = {t.name: k for k, t in enumerate(spec.tasks)}
         return [{**base, "task": r.task, "task_index": index[r.task], "prompt_ids": r.prompt_ids,
                  "max_tokens": r.max_tokens, "truncated": False,
-                 "seed": derive_seed(spec.sampling.seed, doc["doc_id"], f"{r.task}/{r.key}"),
+                 "seed": derive_seed(task_sampling(spec, r.task).seed, doc["doc_id"], f"{r.task}/{r.key}"),
                  "stage": None, "error_type": None, "error": None, "long_input_policy": "chunk",
                  "doc_tokens": len(plan.ids), "kept_tokens": len(plan.ids), "chunk_index": r.index,
                  "chunk_count": plan.num_chunks, "chunk_plan": state} for r in plan.map_requests()]
