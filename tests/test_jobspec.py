@@ -92,7 +92,7 @@ def test_defaults_match_the_documented_job(tmp_path, monkeypatch):
     assert (spec.model.name, spec.model.dtype, spec.model.max_model_len, spec.model.chat) == (
         "smollm2-135m-instruct", "bfloat16", None, None)
     assert [(t.name, t.max_tokens) for t in spec.tasks] == [("summary", 128), ("keywords", 32)]
-    assert spec.sampling.model_dump() == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+    assert spec.sampling.model_dump() == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "stop": []}
     assert spec.long_inputs == "truncate"
     assert (spec.router.policy, spec.router.window) == ("prefix_aware", 256)
     assert (spec.batching.max_batch_tokens, spec.batching.max_inflight_batches) == (8192, 16)
