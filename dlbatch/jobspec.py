@@ -236,6 +236,8 @@ class OutputSpec(BaseModel):
     path: str = "out/papers"
     include_text: bool = False
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    # parquet: one Parquet part per commit (default); delta: a Delta Lake table (dlbatch/driver/delta_store.py)
+    format: Literal["parquet", "delta"] = "parquet"
 
     @field_validator("path")
     @classmethod
@@ -953,6 +955,7 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
         "input.max_pages": None if spec.input.max_pages == InputSpec.model_fields["max_pages"].default
         else spec.input.max_pages,
         "output.include_text": spec.output.include_text,
+        **({"output.format": spec.output.format} if spec.output.format != "parquet" else {}),  # older outputs resume
         "tasks": [t.name for t in spec.tasks],
     }
     for task in spec.tasks:

@@ -144,9 +144,9 @@ def cmd_compact(args) -> int:
     if spec is None:
         return EXIT_INVALID
     from dlbatch.driver.lease import LeaseHeld
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.driver.delta_store import open_store
 
-    store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+    store = open_store(spec.output)
     try:
         store.take_lease(spec.name, "compact")  # never beside a run or another compaction
     except LeaseHeld as e:

@@ -112,16 +112,16 @@ def _inputs(spec) -> list[str]:
 def _output(spec) -> None:
     import uuid
 
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.driver.delta_store import open_store
 
     out = spec.output.path
     try:
-        store = OutputStore(out, dict(spec.output.storage_options))
+        store = open_store(spec.output)
         probe = store._p(f"_tmp/validate-{uuid.uuid4().hex[:8]}")
         store.fs.makedirs(store._p("_tmp"), exist_ok=True)
         store.fs.pipe_file(probe, b"dlbatch validate")
         store.fs.rm_file(probe)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:
         raise Invalid(f"output.path {out!r} is not writable: {type(e).__name__}: {e}") from None
     manifest = store.read_json("_manifest.json")
     state = ("empty" if manifest is None else

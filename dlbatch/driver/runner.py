@@ -57,13 +57,13 @@ class JobRunner:
     def run(self) -> dict:
         from connectors.io_retry import retry_count
         from dlbatch.backends import check_job
-        from dlbatch.driver.output_store import OutputStore
+        from dlbatch.driver.delta_store import open_store
 
         spec = self.spec
         t_start = time.time()
         io_retries_start = retry_count()
         check_job(spec)  # the backend runs here, takes its engine_args and the model's architecture
-        store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+        store = open_store(spec.output)  # Parquet parts, or a Delta table (output.format)
         store.take_lease(spec.name, "run --fresh" if self.fresh else "run")  # one writer per output
         try:
             return self._run_leased(store, t_start, io_retries_start)

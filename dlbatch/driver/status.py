@@ -10,9 +10,9 @@ from __future__ import annotations
 def job_status(spec) -> dict:
     """The job's counts: documents total/done/failed/pending, rows, tokens, complete."""
     from connectors import list_inputs
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.driver.delta_store import open_store
 
-    store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+    store = open_store(spec.output)
     tasks = {t.name for t in spec.tasks}
     prog = store.progress(tasks=tasks)  # from the parts' index files
     files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))

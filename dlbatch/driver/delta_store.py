@@ -1,0 +1,359 @@
+"""Delta Lake output (``output.format: delta``): the job's result rows as one Delta table.
+
+`DeltaOutputStore` is an `OutputStore` whose result rows live in a Delta table at the
+output path itself (its ``_delta_log/`` and data files), written with the ``deltalake``
+package (delta-rs). Everything else stays exactly as the Parquet store keeps it, in names
+starting with ``_`` that Delta readers skip: the lease (``_lease/``), ``_manifest.json``,
+``_sources.parquet``, the dead letters (``_errors/``) and the report.
+
+Exactly once. One flush of complete documents is one Delta transaction (an append). It
+carries an application transaction ``(app_id, version)``: ``app_id`` is this run's
+(``dlbatch-<job fingerprint>-<run tag>``), ``version`` the run's commit sequence 1, 2, ...
+Delta makes a commit visible whole or not at all (the log entry ``_delta_log/<n>.json``
+is created exclusively: a rename on local disk, a conditional put on S3), and the table's
+snapshot remembers the highest version committed per ``app_id``. So:
+
+- before every attempt of a commit the store reads ``transaction_version(app_id)``; when it
+  is already at ``version`` the commit landed (an earlier attempt's reply was lost) and
+  the retry is a no-op;
+- a commit that raised is remembered; before the next commit, the rows it held are dropped
+  from that commit when its version is in the log (as the Parquet store does);
+- a rerun after ``kill -9`` reads progress from the table's current snapshot: a document's
+  rows are all there (its transaction is in the log) or none is; data files a dead commit
+  left without a log entry are invisible to every Delta reader.
+
+Dead letters of a flush that also has result rows land with them. Invariant: *a file
+under ``_errors/_pending/`` counts only when its transaction is in the Delta log.* The flush
+writes its dead letters first to ``_errors/_pending/<app_id>-<version>.parquet`` (hidden
+from readers), then commits the rows; after the commit the file is published as
+``_errors/part-<app_id>-<version>.parquet`` (the copy readers use, an idempotent write)
+and the pending file removed. ``progress()`` counts a pending file whose transaction
+landed (a crash between commit and publish), ``recover()`` publishes those and deletes the
+ones whose transaction never landed. A flush of dead letters only is one part under
+``_errors/``, as in the Parquet store.
+
+Other changes: ``supersede(sources)`` is one Delta delete transaction (plus the dead-letter
+rewrite of the Parquet store); ``compact()`` is ``optimize.compact()`` (one transaction)
+then ``vacuum`` with the table's retention (default 7 days: only files removed from the
+table more than a week ago go, so no reader of a recent snapshot loses a file);
+``clear()`` (``--fresh``) deletes the Delta log and data files and our own ``_`` files.
+
+Object stores: ``storage_options`` are fsspec's (``key``, ``secret``, ``client_kwargs``);
+the Delta side gets them translated to delta-rs names (`delta_storage_options`), and
+upper-case object_store keys (``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...) pass as they are.
+delta-rs 1.x commits on S3 with conditional puts; one writer per output is still the
+lease's job (the lease, not Delta, keeps two runs from interleaving commits and bookkeeping).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from dlbatch.driver.output_store import (ERRORS_DIR, INDEX_COLUMNS, OutputStore, _error_key, _error_table,
+                                         _result_key)
+
+log = logging.getLogger("dlbatch.driver.delta_store")
+
+PENDING_DIR = f"{ERRORS_DIR}/_pending"  # dead letters whose transaction may not have landed
+DELTA_LOG = "_delta_log"
+COMMIT_ATTEMPTS = 4  # a Delta commit that raised is retried (after checking it did not land)
+
+
+def _deltalake():
+    try:
+        import deltalake
+    except ImportError:
+        raise ImportError("output.format 'delta' needs the deltalake package: pip install 'dlbatch[delta]'") from None
+    return deltalake
+
+
+def open_store(output) -> OutputStore:
+    """The store of a job's ``output:`` section (`dlbatch.jobspec.OutputSpec`): a
+    `DeltaOutputStore` for ``format: delta``, the Parquet `OutputStore` otherwise."""
+    cls = DeltaOutputStore if getattr(output, "format", "parquet") == "delta" else OutputStore
+    kw = {"keep_columns": output.keep_columns} if getattr(output, "keep_columns", None) else {}
+    return cls(output.path, dict(output.storage_options), **kw)
+
+
+def delta_storage_options(url: str, options: dict) -> dict[str, str] | None:
+    """fsspec/s3fs ``storage_options`` as delta-rs (object_store) options; None for a local path."""
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    out: dict[str, str] = {}
+    if scheme in ("s3", "s3a"):
+        kw = dict(options.get("client_kwargs") or {})
+        names = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN",
+                 "endpoint_url": "AWS_ENDPOINT_URL", "region_name": "AWS_REGION"}
+        for src in (options, kw):
+            for k, v in src.items():
+                if k in names and v is not None:
+                    out[names[k]] = str(v)
+        if options.get("anon"):
+            out["AWS_SKIP_SIGNATURE"] = "true"
+        if out.get("AWS_ENDPOINT_URL", "").startswith("http://"):
+            out["AWS_ALLOW_HTTP"] = "true"
+    out.update({k: str(v) for k, v in options.items() if k.isupper() and v is not None})
+    return out or None
+
+
+def _sql_string(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+class DeltaOutputStore(OutputStore):
+    format = "delta"
+
+    def __init__(self, url: str, storage_options: dict | None = None, **kw):
+        super().__init__(url, storage_options, **kw)
+        self._dl = _deltalake()
+        self.delta_options = delta_storage_options(self.url, self.storage_options)
+        self._app_id: str | None = None
+        self._seq = 0  # this run's commit sequence: the version of its application transaction
+        self._uncertain_txns: list[tuple[int, set, set]] = []  # (version, result keys, error keys) that raised
+
+    # ---- the table ------------------------------------------------------------------------
+    def table(self):
+        """The Delta table's current snapshot, or None before the first commit."""
+        dl = self._dl
+        try:
+            return dl.DeltaTable(self.url, storage_options=self.delta_options)
+        except dl.exceptions.TableNotFoundError:
+            return None
+
+    @property
+    def app_id(self) -> str:
+        """This run's application transaction id: the job fingerprint (from the manifest the
+        runner writes before any commit) and the run tag."""
+        if self._app_id is None:
+            fp = str((self.read_json("_manifest.json") or {}).get("fingerprint") or "nojob")
+            self._app_id = f"dlbatch-{fp[:16]}-{self._run_tag}"
+        return self._app_id
+
+    def _landed(self, app_id: str, version: int, dt=None) -> bool:
+        dt = dt if dt is not None else self.table()
+        return dt is not None and (dt.transaction_version(app_id) or 0) >= version
+
+    def results(self, columns: list[str] | None = None):
+        import pyarrow as pa
+
+        dt = self.table()
+        return dt.to_pyarrow_table(columns=columns) if dt is not None else pa.table({})
+
+    def index(self):
+        """Every committed row's INDEX_COLUMNS, read from the current snapshot (no text)."""
+        import pyarrow as pa
+
+        dt = self.table()
+        if dt is None:
+            return pa.table({c: pa.array([], pa.string() if c in ("doc_id", "source", "task") else pa.int64())
+                             for c in INDEX_COLUMNS})
+        return dt.to_pyarrow_table(columns=INDEX_COLUMNS)
+
+    def part_indexes(self) -> list[tuple[str, object]]:
+        return [(self.url, self.index())]
+
+    # ---- committing -------------------------------------------------------------------------
+    def commit(self, rows: list[dict], errors: list[dict], include_text: bool, extra_fields=()) -> str | None:
+        """One flush = one Delta transaction ``(app_id, version)``; its dead letters are
+        counted only once that transaction is in the log (module docstring)."""
+        from connectors.sink import write_parquet_atomic
+
+        rows, errors = self._without_landed_txns(rows, errors)
+        if not rows:
+            return self.commit_errors(errors) if errors else None
+        table = self._result_table(rows, include_text, extra_fields)
+        self._seq += 1
+        version = self._seq
+        try:
+            if errors:
+                self._guard()
+                write_parquet_atomic(_error_table(errors), self._u(PENDING_DIR), self._txn_name(self.app_id, version),
+                                     self.storage_options)
+            self._append(table, version)
+        except BaseException:
+            self._uncertain_txns.append((version, {_result_key(r) for r in rows}, {_error_key(r) for r in errors}))
+            raise
+        if errors:
+            self._publish(self._txn_name(self.app_id, version))
+        return self.url
+
+    @staticmethod
+    def _txn_name(app_id: str, version: int) -> str:
+        return f"{app_id}-{version:08d}.parquet"
+
+    @staticmethod
+    def _parse_txn_name(name: str) -> tuple[str, int]:
+        app_id, version = name[:-len(".parquet")].rsplit("-", 1)
+        return app_id, int(version)
+
+    def _append(self, table, version: int) -> None:
+        """Append ``table`` as the transaction ``(app_id, version)``, retried; an attempt
+        finds the version in the log when an earlier one landed: then nothing is written."""
+        dl = self._dl
+        props = dl.CommitProperties(app_transactions=[dl.Transaction(self.app_id, version)])
+        for attempt in range(COMMIT_ATTEMPTS):
+            self._guard()
+            dt = self.table()
+            if self._landed(self.app_id, version, dt):
+                log.warning("Delta commit %s v%d is in the log already (a lost reply): not written again",
+                            self.app_id, version)
+                return
+            try:
+                dl.write_deltalake(dt if dt is not None else self.url, table, mode="append",
+                                   storage_options=None if dt is not None else self.delta_options,
+                                   commit_properties=props)
+                return
+            except (dl.exceptions.SchemaMismatchError, dl.exceptions.DeltaProtocolError):
+                raise
+            except (OSError, dl.exceptions.DeltaError) as e:
+                if attempt == COMMIT_ATTEMPTS - 1:
+                    raise
+                log.warning("Delta commit %s v%d failed (%s: %s); retrying", self.app_id, version, type(e).__name__, e)
+                time.sleep(0.5 * 2 ** attempt)
+
+    def _without_landed_txns(self, rows: list[dict], errors: list[dict]) -> tuple[list[dict], list[dict]]:
+        """Drop the rows of earlier commits that raised but are in the log after all."""
+        if not self._uncertain_txns:
+            return rows, errors
+        pending, self._uncertain_txns = self._uncertain_txns, []
+        dt = self.table()
+        for version, rkeys, ekeys in pending:
+            name = self._txn_name(self.app_id, version)
+            if not self._landed(self.app_id, version, dt):
+                self._rm(self._p(f"{PENDING_DIR}/{name}"))  # its transaction never landed
+                continue
+            log.warning("a Delta commit that reported an error landed (v%d): %d rows not committed again",
+                        version, len(rkeys))
+            rows = [r for r in rows if _result_key(r) not in rkeys]
+            errors = [r for r in errors if _error_key(r) not in ekeys]
+            if ekeys:
+                self._publish(name)
+        return rows, errors
+
+    def _publish(self, name: str) -> None:
+        """The readers' copy of a landed transaction's dead letters, then its pending file removed."""
+        from connectors.io_retry import call_with_retry
+        from connectors.sink import read_parquet_bytes, write_parquet_atomic
+
+        p = self._p(f"{PENDING_DIR}/{name}")
+        if not call_with_retry(self.fs.exists, p, op=f"exists {p}"):
+            return
+        t = read_parquet_bytes(call_with_retry(self.fs.cat_file, p, op=f"read {p}"))
+        self._guard()
+        write_parquet_atomic(t, self._u(ERRORS_DIR), f"part-{name}", self.storage_options)
+        self._rm(p)
+
+    def _pending_files(self) -> list[str]:
+        from connectors.sink import find_all
+
+        root = self._p(PENDING_DIR)  # its own files only, not those of a write's _tmp/
+        return sorted(f for f in find_all(self.fs, root) if f.endswith(".parquet") and "/" not in self._rel(f)[len(PENDING_DIR) + 1:])
+
+    def pending_error_copies(self) -> list[tuple[str, object]]:
+        """[(name, dead letters)] of pending files whose transaction landed but whose
+        ``_errors/`` copy is not written yet (a crash between the two)."""
+        from connectors.io_retry import call_with_retry
+        from connectors.sink import read_parquet_bytes
+
+        files = self._pending_files()
+        if not files:
+            return []
+        dt = self.table()
+        out = []
+        for f in files:
+            name = f.rsplit("/", 1)[-1]
+            if self._landed(*self._parse_txn_name(name), dt=dt) and \
+                    not call_with_retry(self.fs.exists, self._p(f"{ERRORS_DIR}/part-{name}"), op="exists"):
+                out.append((name, read_parquet_bytes(call_with_retry(self.fs.cat_file, f, op=f"read {f}"))))
+        return out
+
+    def recover(self) -> dict:
+        """Before a resume reads progress: publish the dead letters of landed transactions,
+        delete those of transactions that never landed (their writer is gone: we hold the
+        lease), finish or drop interrupted dead-letter rewrites."""
+        dt = self.table()
+        published = dropped = 0
+        for f in self._pending_files():
+            name = f.rsplit("/", 1)[-1]
+            if self._run_tag in name:
+                continue  # this run's own: `commit` handles them
+            if self._landed(*self._parse_txn_name(name), dt=dt):
+                self._publish(name)
+                published += 1
+            else:
+                self._rm(f)
+                dropped += 1
+        if published:
+            log.warning("wrote %d dead-letter copies a crash had lost (their transactions were committed)", published)
+        return {"error_copies": published, "pending_dropped": dropped, "compactions": self.recover_compactions()}
+
+    # ---- changing what is committed ---------------------------------------------------------
+    def supersede(self, sources: set[str]) -> int:
+        """Remove every committed row of ``sources``: one Delta delete transaction for the
+        result rows, then the dead letters rewritten as the Parquet store does."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from connectors.sink import committed_paths, find_all, read_paths
+        from connectors.versions import source_files
+
+        self.recover()
+        values = pa.array(sorted(sources), pa.string())
+        removed = 0
+        dt = self.table()
+        if dt is not None:
+            src = dt.to_pyarrow_table(columns=["source"]).column("source").combine_chunks()
+            hit = pc.unique(src.filter(pc.is_in(source_files(src), value_set=values))).to_pylist()
+            if hit:
+                self._guard()
+                res = dt.delete(predicate=f"source IN ({', '.join(_sql_string(s) for s in hit)})")
+                removed = int(res.get("num_deleted_rows", 0))
+
+        def keep(t):
+            return t.filter(pc.invert(pc.is_in(source_files(t.column("source")), value_set=values)))
+
+        eroot = self._p(ERRORS_DIR)
+        eparts = committed_paths(self.fs, eroot, find_all(self.fs, eroot))
+        for p, t in zip(eparts, read_paths(self.fs, eparts)):
+            drop = t.num_rows - keep(t).num_rows
+            if drop == t.num_rows:
+                self._rm(p)
+            elif drop:
+                self._merge([p], keep=keep, tag=values, base=ERRORS_DIR)
+        return removed
+
+    def compact(self, min_parts: int = 64, small_rows: int = 0, target_rows: int = 0,
+                target_bytes: int = 64 << 20) -> dict:
+        """``optimize.compact()`` (one transaction) when the snapshot has more than
+        ``min_parts`` data files, then ``vacuum`` with the table's retention (files removed
+        from the table over a week ago). ``small_rows``/``target_rows``: unused (Delta
+        compacts by bytes)."""
+        self.recover()
+        dt = self.table()
+        before = len(dt.file_uris()) if dt is not None else 0
+        if dt is None or before <= min_parts:
+            return {"parts_before": before, "merged_parts": 0, "parts_written": 0}
+        self._guard()
+        m = dt.optimize.compact(target_size=target_bytes)
+        self._guard()
+        vacuumed = self.table().vacuum(dry_run=False)
+        log.info("Delta optimize of %s: %s files into %s; vacuum removed %d old files", self.url,
+                 m.get("numFilesRemoved"), m.get("numFilesAdded"), len(vacuumed))
+        return {"parts_before": before, "merged_parts": int(m.get("numFilesRemoved", 0)),
+                "parts_written": int(m.get("numFilesAdded", 0)), "vacuumed": len(vacuumed)}
+
+    def clear(self) -> int:
+        """--fresh: the Delta log (newest entry first, so a crash leaves an older valid
+        version), then the data files and our own files (`OutputStore.clear`)."""
+        from connectors.io_retry import call_with_retry
+        from connectors.sink import find_all
+
+        found = find_all(self.fs, self._p(DELTA_LOG))
+        logs = sorted(found, key=lambda f: (f.endswith("_last_checkpoint"), f), reverse=True)
+        for f in logs:
+            self._rm(f)
+        if logs:
+            try:
+                call_with_retry(self.fs.rm, self._p(DELTA_LOG), recursive=True, op="delete _delta_log")
+            except FileNotFoundError:
+                pass
+        return len(logs) + super().clear()

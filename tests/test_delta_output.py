@@ -1,0 +1,250 @@
+"""Delta Lake output (`output.format: delta`, dlbatch/driver/delta_store.py): commits are
+Delta transactions with an idempotent application transaction id; progress, dead letters,
+supersede, compaction and --fresh on the table; deltalake, duckdb and polars see exactly the
+committed rows. The slow drill kills `dlbatch run` (kill -9) mid-job and reruns it."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+deltalake = pytest.importorskip("deltalake")
+
+from dlbatch.driver.delta_store import DeltaOutputStore, delta_storage_options, open_store  # noqa: E402
+from dlbatch.driver.output_store import ERRORS_DIR, OutputStore  # noqa: E402
+from tests.helpers.jobs import (REPO, SEQ, cli_sets, cli_status, kill_group_and_ray, ray_env,  # noqa: E402
+                                start_run)
+
+ROW = {"output": "generated text", "prompt_tokens": 10, "output_tokens": 2, "finish_reason": "length",
+       "truncated": False, "model": "m"}
+TASKS = ("summary", "keywords")
+
+
+def _rows(doc: str, source: str = "a.jsonl", tasks=TASKS):
+    return [{**ROW, "doc_id": doc, "source": source, "task": t} for t in tasks]
+
+
+def _err(doc: str, source: str = "a.jsonl", task=None):
+    return {"doc_id": doc, "source": source, "task": task, "stage": "generate", "error_type": "X", "error": "boom"}
+
+
+def _keys(table):
+    return sorted(zip(table.column("doc_id").to_pylist(), table.column("task").to_pylist()))
+
+
+def _reader_keys(path):
+    """(doc_id, task) pairs as deltalake, duckdb (over the snapshot's Arrow table and over its
+    data files) and polars see them: all four must agree."""
+    import duckdb
+    import polars as pl
+
+    dt = deltalake.DeltaTable(path)
+    arrow = dt.to_pyarrow_table(columns=["doc_id", "task"])
+    by_arrow = duckdb.sql("SELECT doc_id, task FROM arrow ORDER BY ALL").fetchall()
+    by_files = duckdb.sql(f"SELECT doc_id, task FROM read_parquet({dt.file_uris()!r}) ORDER BY ALL").fetchall()
+    by_polars = sorted(pl.read_delta(path).select(["doc_id", "task"]).iter_rows())
+    assert _keys(arrow) == by_arrow == by_files == by_polars
+    return by_arrow
+
+
+def _pending(out):
+    return [f for f in os.listdir(os.path.join(out, ERRORS_DIR, "_pending")) if f.endswith(".parquet")]
+
+
+def _fill(store):
+    """Three flushes (one with a task that failed alone), one of dead letters only."""
+    store.commit(_rows("d1") + _rows("d2"), [], include_text=False)
+    store.commit(_rows("d3", "b.jsonl", tasks=("summary",)), [_err("d3", "b.jsonl", task="keywords")], False)
+    store.commit([], [_err("d4")], include_text=False)
+    store.commit(_rows("d5", "b.jsonl"), [], include_text=False)
+
+
+# --------------------------------------------------------------------------------- commit and read
+def test_commit_progress_and_readers_see_exactly_the_rows(tmp_path):
+    out = str(tmp_path / "out")
+    store = DeltaOutputStore(out)
+    assert store.progress(tasks=set(TASKS))["rows"] == 0  # no table yet
+    _fill(store)
+    expected = sorted([(d, t) for d in ("d1", "d2", "d5") for t in TASKS] + [("d3", "summary")])
+    assert _reader_keys(out) == expected
+    prog = DeltaOutputStore(out).progress(tasks=set(TASKS))
+    assert (prog["rows"], prog["n_done"], prog["n_failed"], prog["duplicates"]) == (7, 4, 1, 0)
+    assert sorted(prog["done_ids"].to_pylist()) == ["d1", "d2", "d3", "d5"] and prog["failed_ids"].to_pylist() == ["d4"]
+    assert prog["prompt_tokens"] == 70 and prog["sources"] == {"a.jsonl", "b.jsonl"}
+    dt = deltalake.DeltaTable(out)
+    assert dt.version() == 2  # three appends: versions 0, 1, 2 (the dead-letter-only flush is no transaction)
+    assert dt.transaction_version(store.app_id) == 3  # the run's commit sequence
+    errs = store.errors()
+    assert sorted(errs.column("doc_id").to_pylist()) == ["d3", "d4"]
+    assert _pending(out) == []  # published, then removed
+    # bookkeeping stays beside the table: Delta readers ignore the _ names
+    store.write_json("_manifest.json", {"fingerprint": "f"})
+    assert _reader_keys(out) == expected
+    assert _keys(store.results(["doc_id", "task"])) == expected
+
+
+def test_retried_commit_is_a_noop(tmp_path, monkeypatch):
+    out = str(tmp_path / "out")
+    store = DeltaOutputStore(out)
+    store.commit(_rows("d1"), [], include_text=False)
+    real = deltalake.write_deltalake
+    calls = []
+
+    def landed_reply_lost(*a, **k):  # the transaction lands, its reply does not
+        calls.append(1)
+        real(*a, **k)
+        raise OSError("connection reset after the commit")
+
+    # 1) inside one commit: the retry finds (app_id, version) in the log and writes nothing
+    monkeypatch.setattr(deltalake, "write_deltalake", landed_reply_lost)
+    store.commit(_rows("d2"), [], include_text=False)
+    assert len(calls) == 1 and deltalake.DeltaTable(out).version() == 1
+    # 2) the error escapes (one attempt), dead letters pending; the next flush holds the same
+    #    rows plus new ones: the landed ones are dropped, its dead letters published
+    monkeypatch.setattr("dlbatch.driver.delta_store.COMMIT_ATTEMPTS", 1)
+    with pytest.raises(OSError):
+        store.commit(_rows("d3", tasks=("summary",)), [_err("d3", task="keywords")], include_text=False)
+    monkeypatch.setattr(deltalake, "write_deltalake", real)
+    store.commit(_rows("d3", tasks=("summary",)) + _rows("d4"), [_err("d3", task="keywords")], include_text=False)
+    # 3) the same transaction from another store (same app_id, same version): a no-op
+    again = DeltaOutputStore(out)
+    again._app_id = store.app_id
+    again._append(store._result_table(_rows("d9"), False), 1)
+    keys = _reader_keys(out)
+    assert keys == sorted([(d, t) for d in ("d1", "d2", "d4") for t in TASKS] + [("d3", "summary")])
+    prog = DeltaOutputStore(out).progress(tasks=set(TASKS))
+    assert prog["duplicates"] == 0 and prog["n_done"] == 4 and prog["n_failed"] == 0
+    assert store.errors().column("doc_id").to_pylist() == ["d3"]
+
+
+def test_dead_letters_count_only_when_their_transaction_landed(tmp_path, monkeypatch):
+    out = str(tmp_path / "out")
+    store = DeltaOutputStore(out)
+    store.commit(_rows("d1"), [], include_text=False)
+    # crash after the transaction, before the dead letters' copy: still counted, then published
+    monkeypatch.setattr(store, "_publish", lambda name: None)
+    store.commit(_rows("d2", tasks=("summary",)), [_err("d2", task="keywords")], include_text=False)
+
+    # a commit that died before its transaction: its pending dead letters must not count
+    def no_commit(*a, **k):
+        raise OSError("killed")
+
+    monkeypatch.setattr("dlbatch.driver.delta_store.COMMIT_ATTEMPTS", 1)
+    monkeypatch.setattr(deltalake, "write_deltalake", no_commit)
+    with pytest.raises(OSError):
+        store.commit(_rows("d3", tasks=("summary",)), [_err("d3", task="keywords")], include_text=False)
+    monkeypatch.undo()
+    assert len(_pending(out)) == 2
+    rerun = DeltaOutputStore(out)
+    prog = rerun.progress(tasks=set(TASKS))
+    assert sorted(prog["done_ids"].to_pylist()) == ["d1", "d2"] and prog["n_failed"] == 0
+    assert rerun.recover() == {"error_copies": 1, "pending_dropped": 1, "compactions": 0}
+    assert _pending(out) == []
+    assert rerun.errors().column("doc_id").to_pylist() == ["d2"]
+    assert sorted(rerun.progress(tasks=set(TASKS))["done_ids"].to_pylist()) == ["d1", "d2"]
+
+
+def test_supersede_compact_and_fresh(tmp_path):
+    out = tmp_path / "out"
+    store = DeltaOutputStore(str(out))
+    _fill(store)
+    for i in range(4):
+        store.commit(_rows(f"e{i}", "c.txt"), [], include_text=False)
+    version = deltalake.DeltaTable(str(out)).version()
+    # supersede: one delete transaction; rows and dead letters of b.jsonl go
+    assert store.supersede({"b.jsonl"}) == 3
+    assert deltalake.DeltaTable(str(out)).version() == version + 1
+    kept = sorted([(d, t) for d in ("d1", "d2", "e0", "e1", "e2", "e3") for t in TASKS])
+    assert _reader_keys(str(out)) == kept
+    assert store.errors().column("doc_id").to_pylist() == ["d4"]
+    assert store.supersede({"b.jsonl"}) == 0  # again: nothing left to remove
+    # compact: fewer data files, the same rows
+    before = len(deltalake.DeltaTable(str(out)).file_uris())
+    res = store.compact(min_parts=0)
+    assert res["parts_before"] == before and res["parts_written"] == 1 and res["merged_parts"] == before
+    assert len(deltalake.DeltaTable(str(out)).file_uris()) == 1 and _reader_keys(str(out)) == kept
+    assert store.compact(min_parts=5)["merged_parts"] == 0  # one file: nothing to do
+    # --fresh: the table and our files go, nothing else
+    (out / "notes.txt").write_text("mine")
+    (out / "year=2024").mkdir()
+    (out / "year=2024" / "x.parquet").write_bytes(b"other job")
+    store.write_json("_manifest.json", {"name": "j"})
+    assert store.clear() > 0
+    assert not deltalake.DeltaTable.is_deltatable(str(out))
+    left = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
+    assert left == ["notes.txt", "year=2024/x.parquet"]  # (empty folders of ours may stay, as with Parquet)
+    assert DeltaOutputStore(str(out)).progress()["rows"] == 0
+
+
+# ------------------------------------------------------------------------------- the job file
+def test_job_file_format_selects_the_store_and_joins_the_fingerprint(tmp_path, monkeypatch):
+    from dlbatch.jobspec import fingerprint_fields, load_job
+
+    spec = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}"])
+    assert spec.output.format == "parquet" and "output.format" not in fingerprint_fields(spec)
+    assert type(open_store(spec.output)) is OutputStore
+    delta = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", "output.format=delta"])
+    assert fingerprint_fields(delta)["output.format"] == "delta"
+    assert isinstance(open_store(delta.output), DeltaOutputStore)
+    with pytest.raises(Exception, match="format"):
+        load_job("jobs/papers.yaml", ["output.format=iceberg"])
+    monkeypatch.setitem(sys.modules, "deltalake", None)  # not installed
+    with pytest.raises(ImportError, match=r"pip install 'dlbatch\[delta\]'"):
+        open_store(delta.output)
+
+
+def test_object_store_options_translated_for_delta_rs():
+    opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000",
+                                                        "region_name": "us-east-1"}, "AWS_S3_X": 1}
+    assert delta_storage_options("s3://b/out", opts) == {
+        "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+        "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true", "AWS_S3_X": "1"}
+    assert delta_storage_options("/local/out", {}) is None
+
+
+# ----------------------------------------------------------------- driver kill -9, then rerun
+def _delta_committed(out) -> bool:
+    d = os.path.join(out, "_delta_log")
+    return os.path.isdir(d) and any(f.endswith(".json") for f in os.listdir(d))
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_driver_kill9_then_rerun_delta_exactly_once(sample_model, tmp_path, raytmp):
+    import duckdb
+
+    job, extra = "jobs/papers.yaml", ["input.limit=3", "output.format=delta", *SEQ]
+    out = str(tmp_path / "out")
+    seed = int(os.environ.get("DLBATCH_TEST_SEED", time.time_ns() % 1_000_000))
+    print(f"delta driver kill seed: {seed} (rerun with DLBATCH_TEST_SEED={seed})")
+    rng = random.Random(seed)
+    for attempt in range(3):  # a run that died on its own before committing (Ray start-up) is redone
+        with open(tmp_path / f"killed{attempt}.log", "wb") as logf:
+            proc = start_run(job, out, extra, raytmp, logf)
+            deadline = time.time() + 300
+            while time.time() < deadline and proc.poll() is None and not _delta_committed(out):
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 1.5))  # a random moment after the first transaction
+            rc = proc.poll()
+            kill_group_and_ray(proc, raytmp)
+        if _delta_committed(out):
+            break
+    rows = deltalake.DeltaTable(out).to_pyarrow_table(columns=["doc_id", "task"]).to_pylist()
+    print(f"killed {'after the job finished' if rc == 0 else 'mid-job'}: {len(rows)} of 9 rows committed")
+    with open(tmp_path / "rerun.log", "wb") as logf:
+        proc = start_run(job, out, extra, raytmp, logf)
+        rc = proc.wait(timeout=600)
+    assert rc == 0, (tmp_path / "rerun.log").read_text()[-3000:]
+    keys = _reader_keys(out)  # deltalake, duckdb, polars agree
+    assert len(keys) == len(set(keys)) == 9 and {t for _, t in keys} == {"summary", "keywords", "question"}
+    arrow = deltalake.DeltaTable(out).to_pyarrow_table()  # noqa: F841 - read by duckdb's replacement scan
+    assert duckdb.sql("SELECT count(*), count(DISTINCT (doc_id, task)) FROM arrow").fetchone() == (9, 9)
+    st = cli_status(job, out, extra, raytmp)
+    assert (st["rows"], st["docs_done"], st["duplicate_rows"], st["complete"]) == (9, 3, 0, True), st
+    r = subprocess.run([sys.executable, "-m", "dlbatch.cli", "run", job, "--no-progress", *cli_sets(out, extra)],
+                       cwd=REPO, env=ray_env(raytmp), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr[-2000:]
