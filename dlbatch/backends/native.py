@@ -16,7 +16,7 @@ import logging
 import threading
 from dataclasses import replace
 
-from dlbatch.backends.base import EngineBackend, result_row, wall
+from dlbatch.backends.base import EngineBackend, result_row, sample_row, sampling_extras, wall
 
 log = logging.getLogger("dlbatch.backends.native")
 
@@ -32,7 +32,7 @@ def request_params(r: dict):
     return SamplingParams(max_tokens=int(r["max_tokens"]), temperature=float(r.get("temperature", 0.0)),
                           top_p=float(r.get("top_p", 1.0)), top_k=int(r.get("top_k", 0)), seed=r.get("seed"),
                           ignore_eos=bool(r.get("ignore_eos", False)), stop=tuple(r.get("stop") or ()),
-                          constraint=r.get("constraint"))
+                          constraint=r.get("constraint"), **sampling_extras(r))
 
 
 class NativeBackend(EngineBackend):
@@ -82,6 +82,10 @@ class NativeBackend(EngineBackend):
     def step(self) -> list[tuple[int, object]]:
         out = []
         for seq in self.engine.step():
+            if seq.group:  # n > 1: reported under sample 0's key once all n finished
+                seq = seq.group[0]
+                if id(seq) not in self.live or any(s.finish_reason is None for s in seq.group):
+                    continue
             if self.live.pop(id(seq), None) is None:
                 continue
             try:
@@ -93,7 +97,7 @@ class NativeBackend(EngineBackend):
 
     def abort(self, keys) -> None:
         gone = [self.live.pop(k) for k in keys if k in self.live]
-        self.engine.scheduler.abort(gone)
+        self.engine.scheduler.abort([s for g in gone for s in self.engine.sequences_of(g)])
         for s in gone:
             self._drop_transfer(s)
 
@@ -128,14 +132,18 @@ class NativeBackend(EngineBackend):
                 self._keep_for_rdt(seq.seq_id, seq.kv_export)
             seq.kv_export = None
             return {"kv_via": via, "request_id": seq.seq_id, "token_ids": list(seq.prompt_ids),
-                    "first_token": seq.output_ids[0], "finish_reason": seq.pd_finish,
+                    "first_token": seq.output_ids[0], "first_logprobs": seq.logprobs, "finish_reason": seq.pd_finish,
                     "generator_state": seq.generator_state, "kv": kv,
                     "ttft_s": (seq.first_token_time - seq.arrival) if seq.first_token_time else None,
                     "t_first_token": wall(seq.first_token_time), "cached_tokens": seq.num_cached}
         out = self.engine.to_output(seq)
+        samples = None
+        if out.samples is not None:
+            samples = [sample_row(o.text, o.token_ids, o.finish_reason, o.logprobs) for o in out.samples]
+        firsts = [s.first_token_time for s in self.engine.sequences_of(seq) if s.first_token_time is not None]
         return result_row(out.request_id, out.text, out.token_ids, out.finish_reason, out.prompt_tokens,
                           out.cached_tokens, out.metrics.get("ttft_s"), out.metrics.get("latency_s"),
-                          wall(seq.first_token_time))
+                          wall(min(firsts) if firsts else None), logprobs=out.logprobs, samples=samples)
 
     @staticmethod
     def _drop_transfer(seq) -> None:
@@ -228,6 +236,8 @@ class NativeBackend(EngineBackend):
             if release is not None:
                 release()
             raise
+        if item.get("first_logprobs") is not None and seq.params.logprobs is not None:
+            seq.logprobs = [tuple(e) for e in item["first_logprobs"]]  # the prefill worker's first token
         if release is not None:
             if seq.kv_import is None:  # nothing to copy (the first token ended it)
                 release()

@@ -135,14 +135,41 @@ class LLMEngine:
         seq.truncated = truncated
         if params.constraint is not None:  # compiled once per engine; a bad one fails this request alone
             seq.matcher = self.constraints.matcher(params.constraint)
+        if params.n > 1:
+            self._make_group(seq)
         return seq
+
+    def _make_group(self, seq: Sequence) -> None:
+        """n > 1: ``seq`` becomes sample 0 of n sequences of the same prompt (``seq.group``),
+        sample i seeded ``seed + i`` (vLLM's rule), so sample 0 is what the request with n = 1
+        gives. The others are admitted after sample 0 and share its prompt's KV through the
+        prefix cache (the scheduler holds them back while those blocks are computed)."""
+        from dataclasses import replace
+
+        p = seq.params
+        group = []
+        for i in range(p.n):
+            sp = replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+            s = seq if i == 0 else Sequence(seq_id=f"{seq.seq_id}#{i}", prompt_ids=list(seq.prompt_ids), params=sp)
+            s.params, s.truncated, s.group, s.sample_index = sp, seq.truncated, group, i
+            if i and sp.constraint is not None:
+                s.matcher = self.constraints.matcher(sp.constraint)
+            group.append(s)
+
+    @staticmethod
+    def sequences_of(seq: Sequence) -> list[Sequence]:
+        """The sequences of ``seq``'s request: its group (n > 1), else itself."""
+        return list(seq.group) if seq.group else [seq]
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False) -> Sequence:
+        if prefill_only and params.n > 1:
+            raise ValueError("n > 1 runs on colocated workers")
         seq = self.make_sequence(request_id, prompt_ids, params)
         seq.prefill_only = prefill_only
-        self.scheduler.add(seq)
-        self.stats["prompt_tokens"] += len(seq.prompt_ids)
+        for s in self.sequences_of(seq):  # n > 1: all n; the request is done when all are
+            self.scheduler.add(s)
+            self.stats["prompt_tokens"] += len(s.prompt_ids)
         return seq
 
     def add_imported(self, request_id: str, prompt_ids: list[int], first_token: int, params: SamplingParams,
@@ -150,6 +177,8 @@ class LLMEngine:
         """Decode-only mode: continue a request whose prompt was prefilled elsewhere.
         `kv_layers[i]` is layer i's KV, shape (2, len(prompt_ids), kv_heads, head_dim), any
         float dtype (converted on import); the copy into our blocks happens at admission."""
+        if params.n > 1:
+            raise ValueError("n > 1 runs on colocated workers")
         c = self.mconf
         if len(kv_layers) != c.num_layers:
             raise ValueError(f"request {request_id}: KV has {len(kv_layers)} layers, model has {c.num_layers}")
@@ -262,6 +291,18 @@ class LLMEngine:
         return None
 
     def to_output(self, seq: Sequence) -> RequestOutput:
+        """A finished request: ``seq`` and, with n > 1, the samples of its group (times from
+        its first token to its last sample's end)."""
+        out = self._one_output(seq)
+        if seq.group and len(seq.group) > 1:
+            out.samples = [out] + [self._one_output(s) for s in seq.group[1:]]
+            firsts = [s.first_token_time for s in seq.group if s.first_token_time is not None]
+            ends = [s.finish_time for s in seq.group if s.finish_time is not None]
+            out.metrics = {**out.metrics, "ttft_s": (min(firsts) - seq.arrival) if firsts else None,
+                           "latency_s": (max(ends) - seq.arrival) if ends else None}
+        return out
+
+    def _one_output(self, seq: Sequence) -> RequestOutput:
         ids = seq.output_ids
         if seq.finish_reason == "stop" and ids and ids[-1] in self.eos_ids and not seq.params.ignore_eos:
             ids = ids[:-1]
@@ -269,6 +310,11 @@ class LLMEngine:
         m = {"ttft_s": (seq.first_token_time - seq.arrival) if seq.first_token_time else None,
              "latency_s": (seq.finish_time - seq.arrival) if seq.finish_time else None,
              "preemptions": seq.num_preemptions}
+        lps = None
+        if seq.params.logprobs is not None:
+            from dlbatch.engine.logprobs import logprob_entries
+
+            lps = logprob_entries(self.tokenizer, seq.logprobs or [])
         return RequestOutput(request_id=seq.seq_id, prompt_tokens=len(seq.prompt_ids), token_ids=list(seq.output_ids),
                              text=text, finish_reason=seq.finish_reason or "length", truncated=seq.truncated,
-                             cached_tokens=seq.num_cached, metrics=m)
+                             cached_tokens=seq.num_cached, metrics=m, logprobs=lps)

@@ -108,9 +108,10 @@ class LLM:
         return [self.engine.to_output(done[id(s)]) for s in seqs]
 
     def _add(self, seqs) -> None:
-        for s in seqs:
-            self.engine.scheduler.add(s)
-            self.engine.stats["prompt_tokens"] += len(s.prompt_ids)
+        for seq in seqs:
+            for s in self.engine.sequences_of(seq):  # n > 1: the request's n samples
+                self.engine.scheduler.add(s)
+                self.engine.stats["prompt_tokens"] += len(s.prompt_ids)
 
     def _step_until_done(self, n: int, use_tqdm: bool = False) -> dict:
         """Step the engine until nothing is left; {id(seq): seq} of what finished. On an
@@ -147,6 +148,8 @@ class LLM:
         from dlbatch.engine.pd import PrefillResult
 
         seqs = self._make_sequences(prompts, params)
+        if any(s.params.n > 1 or s.group for s in seqs):
+            raise ValueError("n > 1 runs on colocated workers")
         for k, seq in enumerate(seqs):
             seq.prefill_only = True
             if kv_sink_factory is not None:

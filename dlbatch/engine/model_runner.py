@@ -97,14 +97,24 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs) -> list[int]:
         params = [s.params for s in seqs]
+        if any(p.has_extras for p in params):
+            return self._sample_extras(logits, seqs)
         if all(p.greedy for p in params):
             from dlbatch.engine.ops.native import argmax_rows
 
             return argmax_rows(logits).tolist()
-        dev = logits.device
+        temp, top_p, top_k = self._sampling_tensors(params, logits.device)
+        return self.model.ops.sample(logits, temp, top_p, top_k, self._generators(seqs, logits.device), False).tolist()
+
+    @staticmethod
+    def _sampling_tensors(params, dev):
         temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+        return temp, top_p, top_k
+
+    @staticmethod
+    def _generators(seqs, dev) -> list:
         gens = []
         for s in seqs:
             if s.generator is None:
@@ -115,7 +125,63 @@ class ModelRunner:
                     g.seed()
                 s.generator = g
             gens.append(s.generator)
-        return self.model.ops.sample(logits, temp, top_p, top_k, gens, False).tolist()
+        return gens
+
+    @torch.inference_mode()
+    def _sample_extras(self, logits: torch.Tensor, seqs) -> list[int]:
+        """Sampling with min-p, penalties or logprobs asked by some row (ops' `SampleExtras`);
+        the other rows sample exactly as without them."""
+        from dlbatch.engine.ops.reference import SampleExtras
+
+        params = [s.params for s in seqs]
+        dev = logits.device
+        all_greedy = all(p.greedy for p in params)
+        ex = SampleExtras()
+        if any(p.min_p > 0 and not p.greedy for p in params):
+            ex.min_p = torch.tensor([p.min_p for p in params], device=dev)
+        pen = [i for i, p in enumerate(params) if p.penalized]
+        if pen:
+            vocab = logits.shape[-1]
+            rows = [self._token_counts(seqs[i], vocab, dev) for i in pen]
+            ex.penalty_rows = torch.tensor(pen, dtype=torch.long, device=dev)
+            ex.counts = torch.stack([c for c, _ in rows])
+            ex.prompt_mask = torch.stack([m for _, m in rows])
+            ex.repetition = torch.tensor([params[i].repetition_penalty for i in pen], device=dev)
+            ex.presence = torch.tensor([params[i].presence_penalty for i in pen], device=dev)
+            ex.frequency = torch.tensor([params[i].frequency_penalty for i in pen], device=dev)
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        if want:
+            ex.num_logprobs = max(want)
+        temp, top_p, top_k = self._sampling_tensors(params, dev)
+        gens = [] if all_greedy else self._generators(seqs, dev)
+        tokens, lps = self.model.ops.sample(logits, temp, top_p, top_k, gens, all_greedy, ex)
+        tokens = tokens.tolist()
+        if lps is not None:
+            chosen, top_ids, top_lp = (t.tolist() for t in lps)
+            for i, s in enumerate(seqs):
+                k = s.params.logprobs
+                if k is None:
+                    continue
+                if s.logprobs is None:
+                    s.logprobs = []
+                s.logprobs.append((tokens[i], chosen[i], top_ids[i][:k], top_lp[i][:k]))
+        return tokens
+
+    @staticmethod
+    def _token_counts(seq, vocab: int, dev):
+        """(counts of the output's tokens, the prompt's tokens as a mask), both (V,), kept on the
+        sequence: built at its first penalized sample, then the tokens it added since."""
+        if seq.token_counts is None or seq.token_counts.shape[0] != vocab:
+            seq.token_counts = torch.zeros(vocab, dtype=torch.float32, device=dev)
+            seq.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
+            seq.prompt_mask[torch.tensor(seq.prompt_ids, dtype=torch.long, device=dev)] = True
+            seq.counted = 0
+        new = seq.output_ids[seq.counted:]
+        if new:
+            idx = torch.tensor(new, dtype=torch.long, device=dev)
+            seq.token_counts.index_add_(0, idx, torch.ones(len(new), dtype=torch.float32, device=dev))
+            seq.counted = len(seq.output_ids)
+        return seq.token_counts, seq.prompt_mask
 
     def prefault_kv_cache(self) -> int:
         """Write one byte of every 4 KiB page of a CPU cache, keeping its value: the pages the

@@ -14,3 +14,7 @@ class RequestOutput:
     truncated: bool = False
     cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)  # ttft_s, latency_s, ...
+    # SamplingParams.logprobs set: per output token {"token", "token_id", "logprob", "top": [...]}
+    logprobs: list | None = None
+    # SamplingParams.n > 1: every sample (this output is sample 0's), each a RequestOutput
+    samples: list | None = None

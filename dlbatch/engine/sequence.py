@@ -45,6 +45,13 @@ class Sequence:
     generator_state: object = None
     pd_finish: str | None = None  # prefill-only: finish reason if the first token ended the request
     matcher: object = None  # constrained: llguidance matcher that has consumed output_ids (engine/constraint.py)
+    # sampling extras (SamplingParams.min_p, penalties, logprobs, n)
+    group: list | None = None  # n > 1: the request's n sequences (shared list; [0] is the one reported)
+    sample_index: int = 0  # this sequence's place in `group`
+    token_counts: object = None  # penalties: (V,) float32 count of each token in output_ids[:counted]
+    prompt_mask: object = None  # repetition penalty: (V,) bool, the prompt's tokens
+    counted: int = 0  # output tokens already in token_counts
+    logprobs: list | None = None  # logprobs asked: per output token (token, logprob, top ids, top logprobs)
 
     @property
     def all_ids(self) -> list[int]:

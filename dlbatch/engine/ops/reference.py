@@ -6,6 +6,8 @@ for K and for V; a slot is block * block_size + offset.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -130,18 +132,85 @@ def paged_decode_attention(q, k_cache, v_cache, meta) -> torch.Tensor:
     return o.squeeze(2)
 
 
+@dataclass
+class SampleExtras:
+    """The per-request extras of one sampling step (absent: the op samples as it always did).
+
+    ``min_p``: (N,) float, 0 = off. Penalties on the rows ``penalty_rows`` (M,) only:
+    ``counts`` (M, V) float32, each token's count in the row's output; ``prompt_mask`` (M, V)
+    bool, the tokens of its prompt; ``repetition``/``presence``/``frequency`` (M,).
+    ``num_logprobs``: None, or k >= 0: the op also returns the log-probabilities of the
+    sampled tokens and the top k of every row, from the logits as they came in (vLLM's
+    default ``raw_logprobs``: before penalties, temperature and the top-k/top-p/min-p filters)."""
+    min_p: torch.Tensor | None = None
+    penalty_rows: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    num_logprobs: int | None = None
+
+
+def apply_penalties(x: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor, repetition: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """Penalized (M, V) logits, vLLM's order: the repetition penalty on every token seen in the
+    prompt or the output (a positive logit divided by it, a negative one multiplied: HF's
+    definition), then OpenAI's over the output: logit -= frequency x count + presence x [count > 0]."""
+    seen = prompt_mask | (counts > 0)
+    rep = repetition.unsqueeze(1)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - frequency.unsqueeze(1) * counts
+    return x - presence.unsqueeze(1) * (counts > 0).to(x.dtype)
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits (temperature applied) with every token whose probability is below
+    min_p x the row's top probability set to -inf (vLLM's min-p); rows with min_p 0 as they were."""
+    probs = x.softmax(dim=-1)
+    drop = probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return x.masked_fill(drop, float("-inf"))
+
+
+def top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int):
+    """-> (logprob of each row's token (N,), top-k token ids (N, k), their logprobs (N, k)),
+    the top k sorted by logprob, highest first."""
+    chosen = logprobs.gather(1, tokens.view(-1, 1)).squeeze(1)
+    top_lp, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return chosen, top_ids, top_lp
+
+
 @register_op("sample")
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-           generators: list, all_greedy: bool) -> torch.Tensor:
+           generators: list, all_greedy: bool, extras: SampleExtras | None = None):
     """logits (N, V) float32 -> token ids (N,). Greedy rows (temperature 0) take the argmax;
     others sample with temperature / top-k / top-p by the exponential-race (Gumbel) trick,
-    each row with its own generator so a seeded request reproduces whatever its batch."""
+    each row with its own generator so a seeded request reproduces whatever its batch.
+
+    With ``extras`` (`SampleExtras`) -> (token ids, logprobs or None), in vLLM's order:
+    logprobs of the raw logits, penalties, then (sampled rows) temperature, min-p, top-k/top-p."""
+    if extras is None:
+        return _sample(logits, temperature, top_p, top_k, generators, all_greedy)
+    lp = logits.log_softmax(dim=-1) if extras.num_logprobs is not None else None
+    if extras.penalty_rows is not None and extras.penalty_rows.numel():
+        rows = extras.penalty_rows
+        logits = logits.clone()
+        logits[rows] = apply_penalties(logits[rows], extras.counts, extras.prompt_mask, extras.repetition,
+                                       extras.presence, extras.frequency)
+    tokens = _sample(logits, temperature, top_p, top_k, generators, all_greedy, extras.min_p)
+    return tokens, (top_logprobs(lp, tokens, extras.num_logprobs) if lp is not None else None)
+
+
+def _sample(logits, temperature, top_p, top_k, generators, all_greedy, min_p=None) -> torch.Tensor:
     greedy_tokens = logits.argmax(dim=-1)
     if all_greedy:
         return greedy_tokens
     greedy = temperature == 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     x = logits / t.unsqueeze(1)
+    if min_p is not None and bool((min_p > 0).any()):
+        rows = (min_p > 0).nonzero().squeeze(1)
+        x[rows] = apply_min_p(x[rows], min_p[rows])
     vocab = x.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     if bool((k < vocab).any()) or bool((top_p < 1.0).any()):
