@@ -81,7 +81,8 @@ def _row(d: dict) -> dict:
         structure = repair_text(json.dumps({k: d[k] for k in STRUCTURE_KEYS}, ensure_ascii=False))
     return repair_row({"doc_id": str(d["doc_id"]), "source": str(d["source"]), "text": d.get("text") or "",
                        "title": d.get("title"), "pages": d.get("pages"), "error": d.get("error"),
-                       "error_type": d.get("error_type"), "structure": structure})
+                       "error_type": d.get("error_type"), "structure": structure,
+                       "columns": d.get("columns")})
 
 
 def _too_large(url: str, fmt: str, storage_options: dict | None, max_file_bytes: int | None) -> dict | None:

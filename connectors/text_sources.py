@@ -67,8 +67,37 @@ def _compression_for(path: str) -> str | None:
 
 def record_to_row(record: Any, source: str, text_field: str = DEFAULT_TEXT_FIELD,
                   id_field: str | None = None, title_field: str | None = DEFAULT_TITLE_FIELD,
-                  raw: bytes | str | None = None) -> dict:
-    """Turn one mapping into a row (or an error row); shared by JSONL/Parquet/HF readers."""
+                  raw: bytes | str | None = None, arrow=None) -> dict:
+    """Turn one mapping into a row (or an error row); shared by JSONL/Parquet/HF readers.
+    A good row carries the record's other columns (``columns``, `connectors.columns`; from
+    ``arrow``, the record as a one-row Arrow batch, when the reader has it: its types kept).
+    A record without the text field but with chat ``messages`` (a list of {role, content})
+    is a document whose text is its messages' contents, one per line."""
+    row = _record_to_row(record, source, text_field, id_field, title_field, raw)
+    if not row["error"]:
+        from .columns import pack
+
+        row["columns"] = pack(arrow if arrow is not None else record, exclude=(text_field,))
+    return row
+
+
+def messages_text(messages: Any) -> str | None:
+    """The text of an OpenAI-style ``messages`` list (contents joined), None when it is not one."""
+    if not isinstance(messages, list) or not messages:
+        return None
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            return None
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: their text parts
+            content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        parts.append(str(content or ""))
+    return "\n".join(parts)
+
+
+def _record_to_row(record: Any, source: str, text_field: str, id_field: str | None, title_field: str | None,
+                   raw: bytes | str | None) -> dict:
     if not isinstance(record, dict):
         return error_row(source=source, raw=raw if raw is not None else repr(record),
                          error_type=MALFORMED_JSON,
@@ -83,6 +112,8 @@ def record_to_row(record: Any, source: str, text_field: str = DEFAULT_TEXT_FIELD
     title = record.get(title_field) if title_field else None
     title = title.strip() or None if isinstance(title, str) else None
     text = record.get(text_field)
+    if text is None and text_field not in record:
+        text = messages_text(record.get("messages"))
     if text is None:
         keys = ", ".join(sorted(map(str, record))[:10])
         return error_row(source=source, raw=raw_for_id, doc_id=doc_id, title=title,
@@ -136,7 +167,7 @@ def read_jsonl(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | 
 def read_parquet(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | None = None,
                  fs=None, title_field: str | None = DEFAULT_TITLE_FIELD,
                  storage_options: dict | None = None, batch_size: int = 1024) -> Iterator[dict]:
-    """One row per Parquet row; only the text/id/title columns are read."""
+    """One row per Parquet row, its other columns with their types in ``columns``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -162,11 +193,11 @@ def read_parquet(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str 
                                     raw=f"{path}#row{index}")
                 index += 1
             return
-        for batch in pf.iter_batches(batch_size=batch_size, columns=wanted):
-            for record in batch.to_pylist():
+        for batch in pf.iter_batches(batch_size=batch_size):  # every column: templates and keep_columns
+            for i, record in enumerate(batch.select(wanted).to_pylist()):
                 source = f"{path}#row{index}"
                 yield record_to_row(record, source, text_field, id_field, title_field,
-                                    raw=None if record.get(text_field) else source)
+                                    raw=None if record.get(text_field) else source, arrow=batch.slice(i, 1))
                 index += 1
 
 

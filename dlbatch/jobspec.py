@@ -235,6 +235,9 @@ class OutputSpec(BaseModel):
 
     path: str = "out/papers"
     include_text: bool = False
+    # input columns copied into every result row of their document, with their Arrow types:
+    # a list of names, or "all" (every column but the text and those named like a result column)
+    keep_columns: Union[list[str], Literal["all"]] = Field(default_factory=list)
     storage_options: dict[str, Any] = Field(default_factory=dict)
     # parquet: one Parquet part per commit (default); delta: a Delta Lake table (dlbatch/driver/delta_store.py)
     format: Literal["parquet", "delta"] = "parquet"
@@ -333,7 +336,8 @@ class TaskSpec(BaseModel):
     model_config = _STRICT
 
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
-    prompt: str = Field(min_length=1)
+    prompt: Optional[str] = Field(None, min_length=1)  # a template (dlbatch/prompts/templates.py)
+    messages: Optional[str] = Field(None, min_length=1)  # or a chat: one {{ expression }}, e.g. {{ row.messages }}
     max_tokens: int = Field(128, ge=1)
     output: Optional[TaskOutputSpec] = None
     system: Optional[str] = None  # this task's system prompt (overrides model.system)
@@ -344,8 +348,21 @@ class TaskSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_template(self) -> "TaskSpec":
-        check_template(self.name, self.prompt)
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError(f"task {self.name!r}: give exactly one of prompt (a template) and messages "
+                             "(a chat expression such as '{{ row.messages }}')")
+        if self.prompt is not None:
+            check_template(self.name, self.prompt, columns=True)
+        else:
+            from dlbatch.prompts.templates import compile_messages
+
+            compile_messages(self.name, self.messages)
         return self
+
+    @property
+    def source(self) -> str:
+        """The template text: its prompt, or its messages expression."""
+        return self.prompt if self.prompt is not None else self.messages
 
 
 def _default_tasks() -> list[TaskSpec]:
@@ -557,6 +574,31 @@ class JobSpec(BaseModel):
                 raise ValueError(f"duplicate task name {task.name!r}; task names must be unique")
             seen.add(task.name)
         return tasks
+
+    @model_validator(mode="after")
+    def _check_columns(self) -> "JobSpec":
+        from dlbatch.prompts.templates import column_references
+
+        if self.input.format in ("pdf", "text"):
+            for i, t in enumerate(self.tasks):
+                used = sorted(column_references(t.source))
+                if used:
+                    from dlbatch.prompts.templates import TEMPLATE_VARIABLES
+
+                    raise ValueError(f"tasks.{i}.{'prompt' if t.prompt is not None else 'messages'}: "
+                                     f"task {t.name!r} uses {', '.join(map(repr, used))}, which {self.input.format} "
+                                     f"inputs do not have (variables: {', '.join(TEMPLATE_VARIABLES)}); input "
+                                     "columns exist for jsonl, parquet and hf inputs")
+            if self.output.keep_columns:
+                raise ValueError(f"output.keep_columns: {self.input.format} inputs have no columns to keep")
+        if isinstance(self.output.keep_columns, list):
+            from dlbatch.driver.output_store import RESULT_COLUMNS
+
+            clash = [c for c in self.output.keep_columns if c in RESULT_COLUMNS or c == "text"]
+            if clash:
+                raise ValueError(f"output.keep_columns: {', '.join(map(repr, clash))} is the name of a result "
+                                 "column; rename the input column")
+        return self
 
     @model_validator(mode="after")
     def _check_backend_pools(self) -> "JobSpec":
@@ -958,8 +1000,10 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
         **({"output.format": spec.output.format} if spec.output.format != "parquet" else {}),  # older outputs resume
         "tasks": [t.name for t in spec.tasks],
     }
+    if spec.output.keep_columns:  # only when set: older outputs keep their fingerprint
+        fields["output.keep_columns"] = spec.output.keep_columns
     for task in spec.tasks:
-        fields[f"tasks.{task.name}.prompt"] = task.prompt
+        fields[f"tasks.{task.name}.prompt"] = task.source
         fields[f"tasks.{task.name}.max_tokens"] = task.max_tokens
         if task.output is not None or task.system is not None or task.chat_template_kwargs or task.raw:
             fields[f"tasks.{task.name}.output"] = task.output.model_dump() if task.output is not None else None

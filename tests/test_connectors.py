@@ -347,8 +347,8 @@ def test_rows_round_trip_through_sink(corpus, tmp_path):
     table = pa.Table.from_pylist(rows)
     write_parquet_atomic(table, f"file://{tmp_path}/rows", "rows.parquet")
     back = read_committed(str(tmp_path / "rows")).to_pylist()
-    assert back == rows
-    assert json.loads(json.dumps(back[0]))["doc_id"] == "a1"
+    assert back == [{**r, "columns": r.get("columns")} for r in rows]  # a good row's input columns
+    assert json.loads(json.dumps({k: v for k, v in back[0].items() if k != "columns"}))["doc_id"] == "a1"
 
 
 def test_reading_committed_parts_never_aborts_the_process_at_exit(tmp_path):

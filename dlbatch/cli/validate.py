@@ -106,6 +106,14 @@ def _inputs(spec) -> list[str]:
     more = " (bytes of the first 10,000)" if len(files) > 10_000 else ""
     print(f"inputs: {len(files):,} {inp.format} files, {total / 1e6:,.1f} MB{more} under {inp.path}"
           + (f"; input.limit {inp.limit}" if inp.limit is not None else ""))
+    if inp.format not in ("pdf", "text"):
+        from connectors.columns import missing_columns, peek_columns
+
+        cols = peek_columns(files[0], inp.format, inp.text_field, dict(inp.storage_options))
+        print(f"columns (first rows of {files[0]}): {', '.join(sorted(cols)) or 'none'}")
+        problems = missing_columns(spec, cols)
+        if problems:
+            raise Invalid(f"{files[0]}: " + "; ".join(problems))
     return files
 
 

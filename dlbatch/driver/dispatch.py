@@ -101,7 +101,7 @@ class Document:
                         "truncated": bool(r.get("truncated")), "model": model, "ttft_s": res.get("ttft_s"),
                         "latency_s": res.get("latency_s"), "text": r.get("text"),
                         "long_input_policy": r.get("long_input_policy"), "doc_tokens": r.get("doc_tokens"),
-                        "kept_tokens": r.get("kept_tokens"), "chunks": None,
+                        "kept_tokens": r.get("kept_tokens"), "chunks": None, "columns": r.get("columns"),
                         **(extra(r["task"], res) if extra else {})})
         return out
 

@@ -76,7 +76,7 @@ def keys_digest(keys) -> str:
 
 
 class OutputStore:
-    def __init__(self, url: str, storage_options: dict | None = None):
+    def __init__(self, url: str, storage_options: dict | None = None, keep_columns=()):
         import fsspec
 
         from connectors.secrets import resolve_options
@@ -88,6 +88,7 @@ class OutputStore:
         self._run_tag = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
         self._uncertain: list[tuple[str, str]] = []  # (dir, part name) of commits that raised
         self.lease = None  # dlbatch.driver.lease.OutputLease held while this process changes the output
+        self.keep_columns = keep_columns  # output.keep_columns: input columns appended to result rows
 
     def take_lease(self, job: str, command: str = "run", stale_s: float | None = None):
         """Take the output's lease (raises LeaseHeld naming the holder); `release_lease` gives it back."""
@@ -292,11 +293,23 @@ class OutputStore:
         return self.commit(rows, [], include_text, extra_fields)
 
     def _result_table(self, rows: list[dict], include_text: bool, extra_fields=()):
+        """The rows as a table; with ``self.keep_columns`` (output.keep_columns), the input
+        columns each row carries (``columns``, connectors/columns.py) after the result columns."""
         import pyarrow as pa
 
         cols = RESULT_COLUMNS + (["text"] if include_text else []) + [f.name for f in extra_fields]
-        return pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows],
-                                    schema=result_schema(include_text, extra_fields))
+        table = pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows],
+                                     schema=result_schema(include_text, extra_fields))
+        if not self.keep_columns or not rows:
+            return table
+        from connectors.columns import columns_table
+
+        names = None if self.keep_columns == "all" else list(self.keep_columns)
+        kept = columns_table([r.get("columns") for r in rows], names)
+        for name in kept.schema.names:
+            if name not in table.schema.names:  # "all": a column named like a result column stays out
+                table = table.append_column(kept.schema.field(name), kept.column(name))
+        return table
 
     def commit_errors(self, rows: list[dict]) -> str | None:
         rows = self._without_landed(rows, key=_error_key, dest=self._u(ERRORS_DIR))

@@ -96,6 +96,9 @@ class JobRunner:
         report.startup.start("list_inputs")
         files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
         report.startup.end("list_inputs")
+        from connectors.columns import check_columns
+
+        check_columns(spec, files)  # a column a template or keep_columns names: there before anything runs
         listed = set(files)
         by_file = spec.input.format in ("pdf", "text")  # one document per file: a source is done when it is
         if spec.input.limit is not None and by_file:

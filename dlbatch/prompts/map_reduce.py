@@ -111,6 +111,7 @@ class MapReduce:
                          "ttft_s": final.get("ttft_s"), "latency_s": final.get("latency_s"), "text": first.get("text"),
                          "long_input_policy": "chunk", "doc_tokens": first.get("doc_tokens"),
                          "kept_tokens": first.get("doc_tokens"), "chunks": plan.num_chunks,
+                         "columns": first.get("columns"),
                          **(extra(name, final) if extra else {})})
         order = {t.name: k for k, t in enumerate(self.spec.tasks)}
         return sorted(rows, key=lambda r: order.get(r["task"], 0))

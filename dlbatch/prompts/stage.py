@@ -26,7 +26,8 @@ log = logging.getLogger("dlbatch.prompts.stage")
 
 REQUEST_COLUMNS = ["doc_id", "source", "title", "pages", "task", "task_index", "prompt_ids", "max_tokens",
                    "truncated", "seed", "text", "stage", "error_type", "error",
-                   "long_input_policy", "doc_tokens", "kept_tokens", "chunk_index", "chunk_count", "chunk_plan"]
+                   "long_input_policy", "doc_tokens", "kept_tokens", "chunk_index", "chunk_count", "chunk_plan",
+                   "columns"]
 MIDDLE_MARK = "\n\n[...]\n\n"   # where ``long_inputs: middle`` dropped the middle of a document
 
 
@@ -58,7 +59,7 @@ class PromptStage:
     def __init__(self, spec, skip_doc_ids=None, map_reduce: bool = False):
         """``spec``: the validated job (`dlbatch.jobspec.JobSpec`; pickled to Ray Data's actors)."""
         from dlbatch.prompts.skip import SkipSet
-        from dlbatch.prompts.templates import compile_task_templates
+        from dlbatch.prompts.templates import compile_messages, compile_task_templates
 
         self.spec = spec
         m = self.spec.model
@@ -70,26 +71,41 @@ class PromptStage:
         has_template = self.template is not None or self.tok.chat_template is not None
         self.chat = has_template if m.chat is None else bool(m.chat)
         # one renderer per task: a task whose prompt cannot be rendered for a document fails alone
-        self.renders = [compile_task_templates([t]) for t in self.spec.tasks]
+        self.renders = [compile_task_templates([t]) if t.prompt is not None else None for t in self.spec.tasks]
+        self.chats = [compile_messages(t.name, t.messages) if t.messages is not None else None for t in self.spec.tasks]
+        self.keep = bool(self.spec.output.keep_columns)  # request rows carry the input's columns
         self.map_reduce = map_reduce   # True: `chunk` documents become ChunkPlan map rows
         # ids not to redo: a SkipSet (8 bytes per id) from the driver, or any iterable of ids
         self.skip = skip_doc_ids if isinstance(skip_doc_ids, SkipSet) else SkipSet(skip_doc_ids or ())
 
-    def _encode(self, k: int, prompt: str) -> list[int]:
+    def _encode(self, k: int, prompt) -> list[int]:
         """Task k's prompt -> token ids: raw, or through the chat template with the task's
         (else the job's) system prompt and template kwargs. The system message comes
         before the document, so it is part of the prefix the tasks share only when every
-        task has the same one."""
+        task has the same one. A chat (a ``messages`` task: a list) goes through the chat
+        template as it is, the system prompt first unless it has its own."""
         t, m = self.spec.tasks[k], self.spec.model
+        system = t.system if t.system is not None else m.system
+        if isinstance(prompt, list):
+            if not self.chat:
+                raise ValueError(f"task {t.name!r} gives messages, but the model has no chat template "
+                                 "(set model.chat_template)")
+            has_system = any(x["role"] in ("system", "developer") for x in prompt)
+            messages = ([{"role": "system", "content": system}] if system and not has_system else []) + prompt
+            text = self.tok.apply_chat_template(messages, template=self.template,
+                                                **{**m.chat_template_kwargs, **t.chat_template_kwargs})
+            return self.tok.encode(text, add_special_tokens=False)
         if t.raw or not self.chat:
             return self.tok.encode(prompt)
-        system = t.system if t.system is not None else m.system
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         text = self.tok.apply_chat_template(messages, template=self.template,
                                             **{**m.chat_template_kwargs, **t.chat_template_kwargs})
         return self.tok.encode(text, add_special_tokens=False)
 
-    def _render(self, k: int, ctx: dict) -> str:
+    def _render(self, k: int, ctx: dict):
+        """Task k's prompt text, or its chat (a list of messages) for a ``messages`` task."""
+        if self.chats[k] is not None:
+            return self.chats[k](ctx)
         return self.renders[k](ctx)[0]
 
     def __call__(self, batch):
@@ -132,7 +148,8 @@ class PromptStage:
         map-reduce (dlbatch/prompts/longdoc.py)."""
         spec = self.spec
         base = {"doc_id": doc["doc_id"], "source": doc["source"], "title": doc.get("title"),
-                "pages": doc.get("pages"), "text": doc.get("text") if spec.output.include_text else None}
+                "pages": doc.get("pages"), "text": doc.get("text") if spec.output.include_text else None,
+                "columns": doc.get("columns") if self.keep else None}
         if doc.get("error"):
             return [self._error(base, "parse", doc.get("error_type") or "ParseError", doc["error"])]
         if not (doc.get("text") or "").strip():
@@ -158,7 +175,16 @@ class PromptStage:
             by_policy: dict[str, list[int]] = {}
             for k, i in ids.items():
                 if len(i) > limit - tasks[k].max_tokens:
+                    if tasks[k].messages is not None:  # a chat is not cut: the task is this document's dead letter
+                        errors[k] = ValueError(f"LongInput: task {tasks[k].name!r}: the chat is {len(i)} tokens, "
+                                               f"+ max_tokens {tasks[k].max_tokens} exceeds max_model_len {limit}")
+                        continue
                     by_policy.setdefault(tasks[k].long_inputs or spec.long_inputs, []).append(k)
+            for k in errors:
+                ids.pop(k, None)
+            if not ids:
+                e = next(iter(errors.values()))
+                return [self._error(base, "prompt", "LongInput", str(e)[:500])]
             if "skip" in by_policy:
                 k = by_policy["skip"][0]
                 return [self._error(base, "prompt", "LongInput",
@@ -189,8 +215,13 @@ class PromptStage:
         return out + map_rows
 
     def _context(self, doc: dict) -> dict:
+        from connectors.columns import unpack
+
+        row = unpack(doc.get("columns"))
+        if doc.get("columns") is not None:
+            row[self.spec.input.text_field] = doc["text"]
         ctx = {"text": doc["text"], "title": doc.get("title") or "", "doc_id": doc["doc_id"],
-               "source": doc["source"], "pages": doc.get("pages") or 0}
+               "source": doc["source"], "pages": doc.get("pages") or 0, "row": row}
         structure = doc.get("structure")
         if isinstance(structure, str):
             structure = json.loads(structure)
@@ -271,4 +302,5 @@ def request_schema():
                       ("seed", pa.int64()), ("text", pa.string()), ("stage", pa.string()),
                       ("error_type", pa.string()), ("error", pa.string()),
                       ("long_input_policy", pa.string()), ("doc_tokens", pa.int64()), ("kept_tokens", pa.int64()),
-                      ("chunk_index", pa.int64()), ("chunk_count", pa.int64()), ("chunk_plan", pa.string())])
+                      ("chunk_index", pa.int64()), ("chunk_count", pa.int64()), ("chunk_plan", pa.string()),
+                      ("columns", pa.binary())])

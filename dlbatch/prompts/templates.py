@@ -17,6 +17,18 @@ The variables a template may use are :data:`TEMPLATE_VARIABLES`::
     references               the reference list's text ("" when none)
     text_without_references  the text less the references part (heading included)
     section(name)            a section's text, its subsections included (see below)
+    row      the input row's columns (JSONL, Parquet, datasets): ``{{ row.question }}``,
+             ``{{ row["a b"] }}``; the text column is the document's text
+
+Any other name is a column of the input row (``{{ question }}`` is ``{{ row.question }}``);
+the names above win over a column of the same name (``row`` reaches it). Such names pass
+the template's own checks; the job's checks refuse them for inputs without columns (PDF,
+text) and, before a run starts, when the input's columns lack them (`column_references`).
+
+A task may give ``messages`` instead of ``prompt``: one expression in ``{{ }}`` whose value
+is an OpenAI-style chat (a list of {"role", "content"}), usually a column
+(``{{ row.messages }}``); it goes through the model's chat template as it is
+(:func:`compile_messages`).
 
 ``section("Methods")`` matches headings case-insensitively and ignores numbering:
 "3 Methods", "III. METHODS" and "3.1. Methods" all match "methods". An exact match wins,
@@ -75,7 +87,8 @@ __all__ = [
 ]
 
 TEMPLATE_VARIABLES: tuple[str, ...] = ("text", "title", "doc_id", "source", "pages", "abstract", "references",
-                                        "text_without_references", "section")
+                                        "text_without_references", "section", "row")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class TemplateError(ValueError):
@@ -233,9 +246,10 @@ def _task_fields(task: Any) -> tuple[str, str]:
 
 
 def validate_template(
-    name: str, prompt: str, allowed: Iterable[str] = TEMPLATE_VARIABLES
+    name: str, prompt: str, allowed: Iterable[str] = TEMPLATE_VARIABLES, columns: bool = False
 ) -> jinja2.Template:
-    """Compile ``prompt`` and check it only uses ``allowed`` variables.
+    """Compile ``prompt`` and check it only uses ``allowed`` variables (``columns``: other
+    names are the input row's columns, checked against the input later).
 
     Raises :class:`TemplateError` naming the task for a syntax error (with its
     line) or a variable that no document provides.
@@ -246,7 +260,7 @@ def validate_template(
         raise TemplateError(name, f"prompt template syntax error at line {e.lineno}: {e.message}") from None
     allowed = set(allowed)
     unknown = sorted(meta.find_undeclared_variables(ast) - allowed)
-    if unknown:
+    if unknown and not columns:
         raise TemplateError(
             name,
             "prompt template uses undefined variable(s) "
@@ -254,6 +268,88 @@ def validate_template(
             + " (available: " + ", ".join(sorted(allowed)) + ")",
         )
     return _ENV.from_string(prompt)
+
+
+def column_references(source: str) -> set[str]:
+    """The input columns a template (or a ``messages`` expression) reads: names that are
+    not template variables, and ``row.X`` / ``row["X"]``."""
+    ast = _ENV.parse(source)
+    names = set(meta.find_undeclared_variables(ast)) - set(TEMPLATE_VARIABLES)
+    for n in ast.find_all(nodes.Getattr):
+        if isinstance(n.node, nodes.Name) and n.node.name == "row":
+            names.add(n.attr)
+    for n in ast.find_all(nodes.Getitem):
+        if isinstance(n.node, nodes.Name) and n.node.name == "row" and isinstance(n.arg, nodes.Const) \
+                and isinstance(n.arg.value, str):
+            names.add(n.arg.value)
+    return names
+
+
+class _SampleRow(dict):
+    """The row of the sample document: any column reads as a sample string."""
+
+    def __missing__(self, key):
+        return "sample"
+
+
+_MESSAGES_FORM = re.compile(r"^\s*\{\{(.+)\}\}\s*$", re.S)
+
+
+def compile_messages(name: str, source: str) -> Callable[[Mapping[str, Any]], list[dict]]:
+    """A task's ``messages``: one ``{{ expression }}`` -> ``render(doc)`` giving the chat as a
+    list of {"role", "content"} (content parts as their text joined). The expression runs in
+    the sandbox; a value that is not such a list is a TemplateError naming the task."""
+    m = _MESSAGES_FORM.match(source)
+    if not m or "{{" in m.group(1) or "{%" in source:
+        raise TemplateError(name, f"messages must be one expression in {{{{ }}}}, such as "
+                                  f"'{{{{ row.messages }}}}', got {source[:60]!r}")
+    try:
+        expr = _ENV.compile_expression(m.group(1), undefined_to_none=False)
+    except TemplateSyntaxError as e:
+        raise TemplateError(name, f"messages expression syntax error: {e.message}") from None
+
+    def render(doc: Mapping[str, Any]) -> list[dict]:
+        token = _BUDGET.set(RenderBudget())
+        try:
+            value = expr(**document_context(doc))
+        except UndefinedError as e:
+            raise TemplateError(name, f"messages uses an undefined value: {e}") from None
+        except (SecurityError, RenderLimit, jinja2.TemplateError, TypeError, ValueError, LookupError) as e:
+            raise TemplateError(name, f"messages failed: {type(e).__name__}: {e}") from None
+        finally:
+            _BUDGET.reset(token)
+        if isinstance(value, jinja2.Undefined):
+            raise TemplateError(name, f"messages uses an undefined value: {m.group(1).strip()!r}")
+        return chat_messages(name, value)
+
+    return render
+
+
+def chat_messages(name: str, value: Any) -> list[dict]:
+    """``value`` as a chat: a non-empty list of {"role": one of ROLES, "content": str};
+    a content given as parts keeps their text, joined."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    if not isinstance(value, (list, tuple)) or not value:
+        raise TemplateError(name, f"messages must be a non-empty list of {{role, content}}, got "
+                                  f"{type(value).__name__}")
+    out = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, Mapping) or msg.get("role") not in ROLES:
+            raise TemplateError(name, f"message {i} must be a mapping with role one of {', '.join(ROLES)}, "
+                                      f"got {str(msg)[:80]!r}")
+        content = msg.get("content")
+        if isinstance(content, (list, tuple)):
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        if content is not None and not isinstance(content, str):
+            raise TemplateError(name, f"message {i}: content must be text, got {type(content).__name__}")
+        out.append({"role": msg["role"], "content": content or ""})
+    return out
 
 
 def _private_names(ast: nodes.Template) -> list[str]:
@@ -317,20 +413,24 @@ SAMPLE_CONTEXT: dict[str, Any] = {
 }
 
 
-def check_template(name: str, prompt: str, allowed: Iterable[str] = TEMPLATE_VARIABLES) -> jinja2.Template:
+def check_template(name: str, prompt: str, allowed: Iterable[str] = TEMPLATE_VARIABLES,
+                   columns: bool = False) -> jinja2.Template:
     """:func:`validate_template`, then one render against :data:`SAMPLE_CONTEXT` (the
     ``allowed`` names of it): a template that reaches an undefined or unsafe value or goes
     past a render bound there is refused with a :class:`TemplateError` naming it, and so is
 one that reads an attribute or item whose name starts with ``_``. Other
     failures depend on the document and are that document's task error at run time."""
     allowed = tuple(allowed)
-    template = validate_template(name, prompt, allowed)
+    template = validate_template(name, prompt, allowed, columns)
     private = sorted(_private_names(_ENV.parse(prompt)), key=prompt.find)
     if private:  # the sandbox refuses them at render time too; here the job file is refused at once
         raise TemplateError(name, f"prompt template is not allowed to read {private[0]!r}: attributes and items "
                                   "whose name starts with '_' are unsafe")
     sample = document_context(SAMPLE_CONTEXT) if "section" in allowed else {}
     context = {k: sample.get(k, SAMPLE_CONTEXT.get(k)) for k in allowed}
+    if columns:
+        context.update({c: "sample" for c in column_references(prompt) if c not in context})
+        context["row"] = _SampleRow()
     try:
         _render_bounded(template, context)
     except RenderLimit as e:
@@ -355,7 +455,7 @@ def compile_task_templates(tasks: Sequence[Any]) -> Callable[[Mapping[str, Any]]
     compiled = []
     for task in tasks:
         name, prompt = _task_fields(task)
-        compiled.append((name, validate_template(name, prompt)))
+        compiled.append((name, validate_template(name, prompt, columns=True)))
     if not compiled:
         raise ValueError("compile_task_templates needs at least one task")
 
@@ -403,6 +503,11 @@ def document_context(doc: Mapping[str, Any]) -> dict:
         context["text_without_references"] = (
             (text[:span[0]] + text[span[1]:]).strip("\n") if span else text)
     context["section"] = lambda name: find_section(sections, name)
+    row = doc.get("row") or {}
+    context["row"] = row
+    for k, v in row.items():  # columns by their plain names, where no variable has the name
+        if isinstance(k, str) and k not in context and k not in TEMPLATE_VARIABLES:
+            context[k] = v
     return context
 
 
