@@ -186,7 +186,7 @@ def test_missing_required_keys():
     msg = error_of({"pipeline": "papers"})
     assert "jobs/x.yaml: name: required key is missing" in msg
     msg = error_of(job(tasks=[{"name": "a"}]))
-    assert "jobs/x.yaml: tasks.0.prompt: required key is missing" in msg
+    assert "jobs/x.yaml: tasks.0: task 'a': give exactly one of prompt (a template) and messages" in msg
     msg = error_of(job(cluster={"colocated": {"replicas": 2}}))
     assert "jobs/x.yaml: cluster.colocated.chip: required key is missing" in msg
 
