@@ -8,6 +8,12 @@ Files and folders whose name starts with ``_`` or ``.`` (``_tmp/``, ``_SUCCESS``
 
 ``read_document_file(url, format, ...)`` yields the rows of one listed input.
 
+A Hub dataset (``input.format: hf``, ``path: org/name``) is one input, named by the URL the
+job spec folds its config/split/revision/streaming into (``hf-dataset://org/name?...``,
+`connectors.hf_hub`): listing it checks that the dataset, config and split exist (a
+`connectors.hf_hub.HubDatasetError` naming what does otherwise), reading it goes through
+``datasets.load_dataset``, and its version is the prepared dataset's revision and sizes.
+
 Names that are not UTF-8. A local file name with bytes that do not decode (Python gives each
 as a lone surrogate, ``surrogateescape``) is listed escaped, ``\\udcXX`` per byte
 (`connectors.repair.repair_id`, as an output's ``source`` spells it): every URL this module
@@ -106,6 +112,13 @@ def list_inputs(path: str, format: str, storage_options: dict | None = None) -> 
     exts = _check_format(format)
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"input path must be a non-empty string, got {path!r}")
+    from .hf_hub import check_hub_dataset, is_hub_url
+
+    if is_hub_url(path):
+        if format != "hf":
+            raise ValueError(f"{path!r} is a Hub dataset: it is read with input.format hf, not {format}")
+        check_hub_dataset(path, storage_options=resolve_options(storage_options))
+        return [path]
     fs, root = _url_to_fs(path, storage_options)
     if hasattr(fs, "invalidate_cache"):
         fs.invalidate_cache()  # an object-store listing cache must not hide new files
@@ -176,6 +189,13 @@ def _read_rows(url: str, format: str, text_field: str, id_field: str | None, sto
                max_pages: int | None, errors: str, title_field: str | None, split: str | None) -> Iterator[dict]:
     _check_format(format)
     storage_options = resolve_options(storage_options)  # once, for the readers given the options too
+    from .hf_hub import is_hub_url
+
+    if is_hub_url(url):
+        from .hf_hub import read_hub
+
+        yield from read_hub(url, text_field, id_field, title_field, storage_options=storage_options)
+        return
     fs, fspath = _url_to_fs(url, storage_options)
     if unescape_name(url) != url:  # the readers open the URL they are given: the file system's spelling
         url = _url_of(fs, fspath)
@@ -217,6 +237,10 @@ def _version(info: dict) -> str:
 
 
 def _describe(url: str, storage_options: dict | None) -> str:
+    from .hf_hub import hub_version, is_hub_url
+
+    if is_hub_url(url):  # a Hub dataset: its revision and sizes
+        return hub_version(url, resolve_options(storage_options))
     fs, p = _url_to_fs(url, storage_options)
     info = call_with_retry(fs.info, p, op=f"info {url}")
     if info.get("type") == "directory":  # an hf saved-dataset directory: every file in it
@@ -248,13 +272,18 @@ def count_rows(url: str, format: str, stop: int, storage_options: dict | None = 
     """How many rows :func:`read_document_file` yields for ``url``, counting at most ``stop``.
 
     JSONL: its non-blank lines (each is one row, good or error); Parquet: the footer's row
-    count (an unreadable file is one CorruptFile row); pdf and text: one; hf: the rows read.
+    count (an unreadable file is one CorruptFile row); pdf and text: one; hf: the rows read
+    (a Hub dataset: its split's size when the dataset states it).
     A file that fails part-way counts the rows before the failure and one error row, as
     `connectors.parse.parse_file` turns it; a missing file or a denied read raises.
     """
     _check_format(format)
     if format in ("pdf", "text"):
         return min(1, stop)
+    from .hf_hub import count_hub_rows, is_hub_url
+
+    if is_hub_url(url):  # the split's size when the dataset states it, else the rows read
+        return count_hub_rows(url, stop, storage_options=resolve_options(storage_options), **read_kwargs)
     fs, fspath = _url_to_fs(url, storage_options)
     n = 0
     try:

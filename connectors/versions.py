@@ -7,7 +7,9 @@ cached per file under its stat key (size, mtime_ns, ctime_ns, inode): a file who
 is unchanged since the last run is not read again. No user can set ctime, so an in-place
 rewrite always changes the key. On object stores the version is the store's own: ETag,
 generation or version id, with the size (``connectors.listing._version``); a directory (an
-``hf`` saved dataset) is the digest of its files' sizes and versions.
+``hf`` saved dataset) is the digest of its files' sizes and versions; a Hub dataset
+(``hf-dataset://``) is the digest of its prepared revision and split sizes
+(`connectors.hf_hub.hub_version`).
 
 ``input_versions(files, storage_options, cache)`` returns ``{url: [stat key or None,
 version]}``, which is also the cache the caller keeps for the next run (the output store's
@@ -64,8 +66,11 @@ def file_version(url: str, storage_options: dict | None = None, cache: dict | No
     """(version, stat key or None) of one input: see the module docstring."""
     from fsspec.implementations.local import LocalFileSystem
 
+    from .hf_hub import is_hub_url
     from .listing import _describe, _url_to_fs
 
+    if is_hub_url(url):
+        return _describe(url, storage_options), None
     fs, p = _url_to_fs(url, storage_options)
     if isinstance(fs, LocalFileSystem) and not fs.isdir(p):
         key = _stat_key(p)

@@ -178,8 +178,14 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
         doc_tokens = [1] * len(doc_tokens)
     estimated = False
     if n_docs is None:
+        from connectors.hf_hub import is_hub_url
+
         if one_per_file:
             total = len(files)
+        elif len(files) == 1 and is_hub_url(files[0]):  # a Hub dataset: its split's stated size
+            from connectors.listing import count_rows
+
+            total = count_rows(files[0], inp.format, 1 << 62, dict(inp.storage_options))
         elif files_read >= len(files):
             total = docs_read
         else:
