@@ -97,15 +97,23 @@ def _inputs(spec) -> list[str]:
     if not files:
         raise Invalid(f"input.path {inp.path!r}: no {inp.format} files there")
     total = 0
-    for f in files[:10_000]:
+    from connectors.hf_hub import is_hub_url
+
+    hub = is_hub_url(files[0])  # a Hub dataset: one input, listing checked its config and split
+    for f in ([] if hub else files[:10_000]):
         fs, p = _url_to_fs(f, dict(inp.storage_options))
         try:
             total += int(fs.info(p).get("size") or 0)
         except OSError as e:
             raise Invalid(f"input {f!r}: {e}") from None
     more = " (bytes of the first 10,000)" if len(files) > 10_000 else ""
-    print(f"inputs: {len(files):,} {inp.format} files, {total / 1e6:,.1f} MB{more} under {inp.path}"
-          + (f"; input.limit {inp.limit}" if inp.limit is not None else ""))
+    if hub:
+        from connectors.listing import count_rows
+
+        what = f"Hub dataset {inp.path}, {count_rows(files[0], inp.format, 1 << 62, dict(inp.storage_options)):,} rows"
+    else:
+        what = f"{len(files):,} {inp.format} files, {total / 1e6:,.1f} MB{more} under {inp.path}"
+    print(f"inputs: {what}" + (f"; input.limit {inp.limit}" if inp.limit is not None else ""))
     if inp.format not in ("pdf", "text"):
         from connectors.columns import missing_columns, peek_columns
 
