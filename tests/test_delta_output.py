@@ -242,9 +242,24 @@ def test_driver_kill9_then_rerun_delta_exactly_once(sample_model, tmp_path, rayt
     keys = _reader_keys(out)  # deltalake, duckdb, polars agree
     assert len(keys) == len(set(keys)) == 9 and {t for _, t in keys} == {"summary", "keywords", "question"}
     arrow = deltalake.DeltaTable(out).to_pyarrow_table()  # noqa: F841 - read by duckdb's replacement scan
-    assert duckdb.sql("SELECT count(*), count(DISTINCT (doc_id, task)) FROM arrow").fetchone() == (9, 9)
+    assert duckdb.sql("SELECT count(*), count(DISTINCT (doc_id, task)) FROM arrow").fetchall() == [(9, 9)]
     st = cli_status(job, out, extra, raytmp)
     assert (st["rows"], st["docs_done"], st["duplicate_rows"], st["complete"]) == (9, 3, 0, True), st
     r = subprocess.run([sys.executable, "-m", "dlbatch.cli", "run", job, "--no-progress", *cli_sets(out, extra)],
                        cwd=REPO, env=ray_env(raytmp), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr[-2000:]
+
+
+def test_delta_output_on_s3(s3_bucket, s3_options):
+    """On an object store (moto S3 here): the same commits, progress and a retry no-op."""
+    url = f"s3://{s3_bucket}/out"
+    store = DeltaOutputStore(url, s3_options)
+    _fill(store)
+    again = DeltaOutputStore(url, s3_options)
+    again._app_id = store.app_id
+    again._append(store._result_table(_rows("d9"), False), 1)  # a committed transaction: no-op
+    prog = again.progress(tasks=set(TASKS))
+    assert (prog["rows"], prog["n_done"], prog["n_failed"], prog["duplicates"]) == (7, 4, 1, 0)
+    dt = deltalake.DeltaTable(url, storage_options=store.delta_options)
+    assert dt.version() == 2 and dt.transaction_version(store.app_id) == 3
+    assert again.supersede({"b.jsonl"}) == 3 and again.errors().column("doc_id").to_pylist() == ["d4"]
