@@ -244,3 +244,72 @@ def test_hub_id_from_an_offline_cache_runs_a_job(tmp_path, raytmp):
     with open(os.path.join(out, "_manifest.json")) as f:
         fields = json.load(f)["fields"]
     assert fields["model.identity"] == f"hub:acme/tiny-llama@{os.path.basename(snap)}"
+
+
+# ------------------------------------------------ sampling extras: the same as our engine's
+def test_sampling_extras_agree_with_our_engine(tmp_path, monkeypatch):
+    """Both backends, in this process, on one tiny fp32 model: the same greedy tokens and
+    logprobs (measured: at most 3e-5 apart; the bound is the engines' logits tolerance), the same
+    penalized greedy tokens, and the same result structure for n and logprobs; vLLM's sample 0
+    of n is its n = 1 output (children seeded seed + i, as ours)."""
+    import random
+    from types import SimpleNamespace
+
+    import torch
+
+    from dlbatch.backends.native import NativeBackend
+    from dlbatch.backends.vllm_backend import VllmBackend
+    from dlbatch.engine.config import EngineConfig
+    from tests.helpers.tiny_models import VOCAB, make_tiny_model
+
+    path = str(tmp_path / "m")
+    make_tiny_model("llama", path, overrides={"head_dim": 32})  # a head size vLLM-CPU runs
+    for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+              "OMP_NUM_THREADS"):  # what the backend sets for its process goes back afterwards
+        monkeypatch.setenv(k, os.environ.get(k, ""))
+        monkeypatch.delenv(k)
+    threads = torch.get_num_threads()
+    spec = SimpleNamespace(model=path, engine=EngineConfig(dtype="float32", max_model_len=256, max_num_seqs=8),
+                           chat=False, storage_options=None, kv_transport="object_store", kv_timeout_s=30,
+                           num_threads=2, engine_args={"enforce_eager": True})
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 40))] for _ in range(3)]
+    items = [{"request_id": f"g{i}", "token_ids": p, "max_tokens": 8, "ignore_eos": True, "logprobs": 5}
+             for i, p in enumerate(prompts)]
+    sampled = {"token_ids": prompts[0], "max_tokens": 6, "ignore_eos": True, "temperature": 1.0, "seed": 3,
+               "logprobs": 2}
+    items += [{**sampled, "request_id": "n3", "n": 3}, {**sampled, "request_id": "n1"},
+              {"request_id": "pen", "token_ids": prompts[1], "max_tokens": 10, "ignore_eos": True,
+               "repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.7}]
+
+    def run(be):
+        keys = {be.add("generate", it): it["request_id"] for it in items}
+        done = {}
+        while be.has_unfinished():
+            done.update((keys[k], r) for k, r in be.step())
+        return done
+
+    ours = run(NativeBackend(spec, "colocated", "cpu"))
+    try:
+        vb = VllmBackend(spec, "colocated", "cpu")
+        theirs = run(vb)
+        vb.close()
+        del vb
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(3):
+        a, b = ours[f"g{i}"], theirs[f"g{i}"]
+        assert a["output_ids"] == b["output_ids"] and len(a["logprobs"]) == len(b["logprobs"]) == 8
+        for x, y in zip(a["logprobs"], b["logprobs"]):
+            assert x["token_id"] == y["token_id"] and x["token"] == y["token"]
+            assert abs(x["logprob"] - y["logprob"]) < 2e-4
+            assert [t["token_id"] for t in x["top"]] == [t["token_id"] for t in y["top"]]
+            assert all(abs(p["logprob"] - q["logprob"]) < 2e-4 for p, q in zip(x["top"], y["top"]))
+    assert ours["pen"]["output_ids"] == theirs["pen"]["output_ids"]
+    for r in (ours, theirs):
+        n3, n1 = r["n3"], r["n1"]
+        assert set(n3) == set(n1) | {"samples"} and "samples" not in n1 and "logprobs" not in r["pen"]
+        assert len(n3["samples"]) == 3 and n3["output_ids"] == n1["output_ids"] == n3["samples"][0]["output_ids"]
+        assert all(set(s) == {"output", "output_ids", "output_tokens", "finish_reason", "logprobs"}
+                   and len(s["logprobs"]) == s["output_tokens"] == 6 and all(len(e["top"]) == 2 for e in s["logprobs"])
+                   for s in n3["samples"])

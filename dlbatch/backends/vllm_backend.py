@@ -11,7 +11,9 @@ tokens, as our engine does, except where a stop string cut it (vLLM's text then)
 Structured outputs go through vLLM's own parameters (JSON schema, regex, choices, grammar)
 on its llguidance backend, with JSON whitespace not free (as ours), so the rows'
 ``valid`` / ``output_error`` / ``<task>_json`` columns mean the same. Per-request seeds are
-vLLM's. ``model.engine_args`` are vLLM's `EngineArgs` (checked by `check_engine_args`).
+vLLM's. The sampling extras (min_p, penalties, logprobs, n: backends/base.py) are vLLM's
+parameters of the same names and meanings: logprobs of the raw distribution (its default
+``logprobs_mode``), n choices seeded seed + i, reported as our engine reports them. ``model.engine_args`` are vLLM's `EngineArgs` (checked by `check_engine_args`).
 
 PD pools with vLLM are refused at validation: vLLM moves KV between its own prefill and
 decode instances through its KV connectors (NIXL, P2P NCCL, LMCache), which need GPUs; on
@@ -27,7 +29,7 @@ import shutil
 import tempfile
 import time
 
-from dlbatch.backends.base import BackendUnavailable, EngineBackend, result_row, wall
+from dlbatch.backends.base import BackendUnavailable, EngineBackend, result_row, sample_row, sampling_extras, wall
 
 log = logging.getLogger("dlbatch.backends.vllm")
 
@@ -189,10 +191,14 @@ class VllmBackend(EngineBackend):
             so = StructuredOutputsParams(**{_KINDS[c["kind"]]: list(c["spec"]) if c["kind"] == "choices" else c["spec"]})
         stop = list(item.get("stop") or [])
         top_k = int(item.get("top_k", 0))
+        # min_p, penalties, logprobs (vLLM's default raw_logprobs, as our engine's) and n
+        # (children seeded seed + i, as ours) are vLLM's own parameters of the same names
+        extras = sampling_extras(item)
         return SamplingParams(max_tokens=int(item["max_tokens"]), temperature=float(item.get("temperature", 0.0)),
                               top_p=float(item.get("top_p", 1.0)), top_k=top_k if top_k > 0 else -1,
                               seed=item.get("seed"), ignore_eos=bool(item.get("ignore_eos", False)), stop=stop,
-                              structured_outputs=so, output_kind=RequestOutputKind.DELTA, detokenize=bool(stop))
+                              structured_outputs=so, output_kind=RequestOutputKind.DELTA, detokenize=bool(stop),
+                              **extras)
 
     def add(self, kind: str, item: dict) -> str:
         if kind != "generate":
@@ -203,8 +209,9 @@ class VllmBackend(EngineBackend):
         params = self.sampling(item)
         ids = [int(t) for t in item["token_ids"]]
         self.engine.add_request(rid, {"prompt_token_ids": ids}, params)
-        self.live[rid] = {"ids": [], "text": "", "t0": time.perf_counter(), "t_first": None, "prompt": len(ids),
-                          "stop": bool(params.stop)}
+        self.live[rid] = {"t0": time.perf_counter(), "t_first": None, "prompt": len(ids), "stop": bool(params.stop),
+                          "k": params.logprobs, "n": params.n,
+                          "samples": {}}  # per choice index (0..n-1): {ids, text, lps, c (its final output)}
         self.stats_["prompt_tokens"] += len(ids)
         return rid
 
@@ -220,35 +227,58 @@ class VllmBackend(EngineBackend):
             st = self.live.get(o.request_id)
             if st is None:
                 continue
-            c = o.outputs[0] if o.outputs else None
-            if c is not None and c.token_ids:
-                if st["t_first"] is None:
-                    st["t_first"] = now
-                st["ids"].extend(c.token_ids)
-                st["text"] += c.text or ""
+            for c in o.outputs:  # n > 1: the choices that moved this step, by their index
+                sm = self._sample_state(st, c.index)
+                if c.token_ids:
+                    if st["t_first"] is None:
+                        st["t_first"] = now
+                    sm["ids"].extend(c.token_ids)
+                    sm["text"] += c.text or ""
+                    if st["k"] is not None:
+                        sm["lps"].extend(_logprob_tuples(c.token_ids, c.logprobs or [], st["k"]))
+                if c.finish_reason is not None:
+                    sm["c"] = c
             if not o.finished:
                 continue
             del self.live[o.request_id]
-            reason = (c.finish_reason if c is not None else None) or "length"
-            if reason == "abort":
+            if any(sm["c"] is not None and sm["c"].finish_reason == "abort" for sm in st["samples"].values()):
                 done.append((o.request_id, RuntimeError(f"request {o.request_id} was aborted by vLLM")))
                 continue
             cached = int(o.num_cached_tokens or 0)
-            self.stats_["output_tokens"] += len(st["ids"])
+            self.stats_["output_tokens"] += sum(len(sm["ids"]) for sm in st["samples"].values())
             self.stats_["prefix_hit_tokens"] += cached
             self.stats_["prefix_query_tokens"] += st["prompt"]
-            done.append((o.request_id, self._row(o.request_id, st, reason, c, cached, now)))
+            done.append((o.request_id, self._row(o.request_id, st, cached, now)))
         return done
 
-    def _row(self, rid: str, st: dict, reason: str, c, cached: int, now: float) -> dict:
-        ids = st["ids"]
+    @staticmethod
+    def _sample_state(st: dict, index: int) -> dict:
+        sm = st["samples"].get(index)
+        if sm is None:
+            sm = st["samples"][index] = {"ids": [], "text": "", "lps": [], "c": None}
+        return sm
+
+    def _sample(self, st: dict, sm: dict) -> tuple[str, list[int], str, list | None]:
+        """(text, output ids, finish reason, logprobs) of one choice."""
+        ids, c = sm["ids"], sm["c"]
+        reason = (c.finish_reason if c is not None else None) or "length"
         eos = set(self.tokenizer.eos_token_ids)
         shown = ids[:-1] if reason == "stop" and ids and ids[-1] in eos else ids
-        text = st["text"] if st["stop"] and c is not None and isinstance(c.stop_reason, str) \
+        text = sm["text"] if st["stop"] and c is not None and isinstance(c.stop_reason, str) \
             else self.tokenizer.decode(shown)
+        lps = None
+        if st["k"] is not None:
+            from dlbatch.engine.logprobs import logprob_entries
+
+            lps = logprob_entries(self.tokenizer, sm["lps"])
+        return text, ids, "stop" if reason == "stop" else "length", lps
+
+    def _row(self, rid: str, st: dict, cached: int, now: float) -> dict:
+        samples = [self._sample(st, self._sample_state(st, i)) for i in range(st["n"])]
+        text, ids, reason, lps = samples[0]
         ttft = (st["t_first"] - st["t0"]) if st["t_first"] is not None else None
-        return result_row(rid, text, ids, "stop" if reason == "stop" else "length", st["prompt"], cached,
-                          ttft, now - st["t0"], wall(st["t_first"]))
+        return result_row(rid, text, ids, reason, st["prompt"], cached, ttft, now - st["t0"], wall(st["t_first"]),
+                          logprobs=lps, samples=[sample_row(*x) for x in samples] if st["n"] > 1 else None)
 
     def abort(self, keys) -> None:
         keys = [k for k in keys if k in self.live]
@@ -280,3 +310,15 @@ class VllmBackend(EngineBackend):
         except Exception:  # metrics off (disable_log_stats) or renamed: not reported
             return None
         return None
+
+
+def _logprob_tuples(token_ids, positions, k: int) -> list[tuple]:
+    """vLLM's per-position {token id: Logprob(logprob, rank)} (the sampled token, then the top
+    k ranked 1..k) -> our (token id, its logprob, top-k ids, their logprobs), highest first."""
+    out = []
+    for tok, d in zip(token_ids, positions):
+        top = sorted(((r.rank, tid, r.logprob) for tid, r in d.items() if r.rank is not None and r.rank <= k))
+        if len(top) > k:  # the sampled token tied into the top ranks without being one of the k
+            top.remove(next(e for e in top if e[1] == tok))
+        out.append((tok, d[tok].logprob, [tid for _, tid, _ in top], [lp for _, _, lp in top]))
+    return out
