@@ -104,7 +104,7 @@ class LLM:
 
     def _run(self, seqs, use_tqdm: bool = False) -> list[RequestOutput]:
         self._add(seqs)
-        done = self._step_until_done(len(seqs), use_tqdm)
+        done = self._step_until_done(sum(len(self.engine.sequences_of(s)) for s in seqs), use_tqdm)
         return [self.engine.to_output(done[id(s)]) for s in seqs]
 
     def _add(self, seqs) -> None:

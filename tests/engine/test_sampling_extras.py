@@ -251,3 +251,38 @@ def test_native_backend_rows_carry_logprobs_and_samples(tiny):
     with pytest.raises(ValueError, match="min_p"):
         be.add("generate", {**base, "request_id": "bad", "min_p": 2})
     assert not be.has_unfinished()
+
+
+def test_prefill_decode_rows_carry_the_first_tokens_logprobs(tiny):
+    """PD (the prefill worker keeps the KV for an RDT pull): the decode row's logprobs start
+    with the prefill worker's first token and equal the colocated row's; penalties count it."""
+    from dlbatch.backends.native import NativeBackend
+    from dlbatch.engine.config import EngineConfig
+
+    spec = SimpleNamespace(model=tiny[0], engine=EngineConfig(dtype="float32", max_model_len=256), chat=False,
+                           storage_options=None, kv_transport="rdt", kv_timeout_s=30)
+    ids = _prompts(1, 25, 25, seed=9)[0]
+    item = {"request_id": "r", "token_ids": ids, "max_tokens": 7, "ignore_eos": True, "logprobs": 3,
+            "frequency_penalty": 0.8, "repetition_penalty": 1.2}
+
+    def run(be, kind, it):
+        k = be.add(kind, it)
+        done = {}
+        while be.has_unfinished():
+            done.update(be.step())
+        return done[k]
+
+    colocated = run(NativeBackend(spec, "colocated", "cpu"), "generate", item)
+    pre = NativeBackend(spec, "prefill", "cpu")
+    p = run(pre, "prefill", item)
+    assert len(p["first_logprobs"]) == 1 and p["first_logprobs"][0][0] == p["first_token"]
+    layers = pre._rdt_kept.pop("r")
+    dec = NativeBackend(spec, "decode", "cpu")
+    d = run(dec, "decode", {**item, **p, "kv": None, "kv_layers": layers, "kv_release": None})
+    assert d["output_ids"] == colocated["output_ids"]
+    assert [e["token_id"] for e in d["logprobs"]] == d["output_ids"]
+    for x, y in zip(d["logprobs"], colocated["logprobs"]):
+        assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-5)
+        assert [t["token_id"] for t in x["top"]] == [t["token_id"] for t in y["top"]]
+    with pytest.raises(ValueError, match="n > 1 runs on colocated workers"):
+        dec.add("decode", {**item, **p, "n": 2, "kv": None, "kv_layers": layers, "kv_release": None})
