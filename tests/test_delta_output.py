@@ -4,6 +4,7 @@ supersede, compaction and --fresh on the table; deltalake, duckdb and polars see
 committed rows. The slow drill kills `dlbatch run` (kill -9) mid-job and reruns it."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -195,6 +196,22 @@ def test_job_file_format_selects_the_store_and_joins_the_fingerprint(tmp_path, m
     monkeypatch.setitem(sys.modules, "deltalake", None)  # not installed
     with pytest.raises(ImportError, match=r"pip install 'dlbatch\[delta\]'"):
         open_store(delta.output)
+
+
+def test_cli_status_and_compact_on_a_delta_output(tmp_path, capsys):
+    from dlbatch.cli import main
+
+    out = str(tmp_path / "out")
+    store = DeltaOutputStore(out)
+    for i in range(3):
+        store.commit(_rows(f"d{i}", tasks=("summary", "keywords", "question")), [], include_text=False)  # the job's
+    sets = ["--set", f"output.path={out}", "--set", "output.format=delta"]  # the sample job's inputs
+    assert main(["status", "jobs/papers.yaml", "--json", *sets]) == 0
+    st = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert (st["rows"], st["docs_done"], st["duplicate_rows"]) == (9, 3, 0)
+    assert main(["compact", "jobs/papers.yaml", *sets]) == 0
+    assert "3 small parts merged into 1" in capsys.readouterr().out
+    assert len(deltalake.DeltaTable(out).file_uris()) == 1 and len(_reader_keys(out)) == 9
 
 
 def test_object_store_options_translated_for_delta_rs():
