@@ -183,7 +183,7 @@ def test_supersede_compact_and_fresh(tmp_path):
 
 # ------------------------------------------------------------------------------- the job file
 def test_job_file_format_selects_the_store_and_joins_the_fingerprint(tmp_path, monkeypatch):
-    from dlbatch.jobspec import fingerprint_fields, load_job
+    from dlbatch.jobspec import ResumeMismatchError, check_resume_compatible, fingerprint_fields, load_job
 
     spec = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}"])
     assert spec.output.format == "parquet" and "output.format" not in fingerprint_fields(spec)
@@ -191,6 +191,8 @@ def test_job_file_format_selects_the_store_and_joins_the_fingerprint(tmp_path, m
     delta = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", "output.format=delta"])
     assert fingerprint_fields(delta)["output.format"] == "delta"
     assert isinstance(open_store(delta.output), DeltaOutputStore)
+    with pytest.raises(ResumeMismatchError, match="output.format"):  # a Parquet output is not resumed as Delta
+        check_resume_compatible(fingerprint_fields(spec), delta)
     with pytest.raises(Exception, match="format"):
         load_job("jobs/papers.yaml", ["output.format=iceberg"])
     monkeypatch.setitem(sys.modules, "deltalake", None)  # not installed
