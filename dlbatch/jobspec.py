@@ -427,6 +427,9 @@ def _longdoc_defaults() -> tuple[str, str]:
     return DEFAULT_MAP_PROMPT, DEFAULT_REDUCE_PROMPT
 
 
+EXTRAS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "logprobs")
+
+
 class SamplingSpec(BaseModel):
     model_config = _STRICT
 
@@ -435,6 +438,13 @@ class SamplingSpec(BaseModel):
     top_k: int = Field(0, ge=0)
     seed: int = Field(0, ge=0)
     stop: list[str] = Field(default_factory=list)  # generation ends at the first of these (not in the output)
+    # the extras (dlbatch/backends/base.py): null is off, and a row is what it was without them
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    n: Optional[int] = Field(None, ge=1, le=128)  # samples per prompt: the row's `samples` column
+    logprobs: Optional[int] = Field(None, ge=0, le=20)  # top-k alternatives per token: the `logprobs` column
 
     @field_validator("stop")
     @classmethod
@@ -454,6 +464,12 @@ class TaskSamplingSpec(BaseModel):
     top_k: Optional[int] = Field(None, ge=0)
     seed: Optional[int] = Field(None, ge=0)
     stop: Optional[list[str]] = None
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    n: Optional[int] = Field(None, ge=1, le=128)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
 
     @field_validator("stop")
     @classmethod
@@ -1013,6 +1029,7 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
         "sampling.top_k": spec.sampling.top_k,
         "sampling.seed": spec.sampling.seed,
         **({"sampling.stop": list(spec.sampling.stop)} if spec.sampling.stop else {}),  # older outputs resume
+        **{f"sampling.{k}": v for k, v in spec.sampling.model_dump().items() if k in EXTRAS and v is not None},
         "long_inputs": spec.long_inputs,
         "input.format": spec.input.format,
         "input.path": spec.input.path,

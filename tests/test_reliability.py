@@ -98,11 +98,16 @@ def test_driver_kill9_at_random_points_then_resume_exactly_once(ray_local, sampl
 def test_sampling_resume_after_kill_reproduces_rows(ray_local, sample_model, tmp_path, raytmp):
     # float32: the path whose rows do not depend on the batch's composition (docs/reliability.md);
     # the sample job asks for bfloat16, which CPUs with AMX compute in bf16, rounding by batch
+    # the keywords task draws n = 2 samples with the top-2 logprobs of each token
     job, extra = "jobs/papers.yaml", ["input.limit=2", *SEQ, "sampling.temperature=0.8", "sampling.seed=7",
-                                      "model.dtype=float32"]
+                                      "model.dtype=float32", "tasks.1.sampling={n: 2, logprobs: 2}"]
     base = str(tmp_path / "base")
     run_job(job, base, extra)
     ref = canon(output_rows(base))
+    drawn = _samples(output_rows(base))
+    assert len(drawn) == 2 and all(len(s) == 2 and s[0]["output"] != s[1]["output"] for s, _ in drawn.values())
+    for samples, lp in drawn.values():  # the row's logprobs are sample 0's, one entry per token, top-2 each
+        assert lp == samples[0]["logprobs"] and all(len(e["top"]) == 2 for e in lp)
     out = str(tmp_path / "out")
     with open(tmp_path / "run.log", "wb") as logf:
         proc = start_run(job, out, extra, raytmp, logf)
@@ -113,10 +118,38 @@ def test_sampling_resume_after_kill_reproduces_rows(ray_local, sample_model, tmp
     rep = run_job(job, out, extra)  # resume (on the test session's Ray)
     assert rep["rows_written"] == 3 and rep["docs_ok"] == 2
     assert canon(output_rows(out)) == ref
+    # every sample the same after the kill; a logprob the same up to float rounding (batches differ)
+    assert _rounded(_samples(output_rows(out))) == _rounded(drawn)
+    assert _close(_samples(output_rows(out)), drawn)
     # the seed matters: another job seed samples other tokens somewhere
     other = str(tmp_path / "other")
     run_job(job, other, ["input.limit=2", *SEQ, "sampling.temperature=0.8", "sampling.seed=8"])
     assert canon(output_rows(other)) != ref
+
+
+def _samples(rows):
+    """(doc_id, task) -> (samples, logprobs) of the rows that have them."""
+    return {(r["doc_id"], r["task"]): (r["samples"], r["logprobs"]) for r in rows if r.get("samples")}
+
+
+def _rounded(value):
+    """``value`` without its logprob figures (tokens, texts, counts kept)."""
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items() if k != "logprob"}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def _close(a, b, tol=1e-4):
+    """Every logprob of ``a`` within ``tol`` of ``b``'s (same structure)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return abs(a - b) <= tol
+    return a == b
 
 
 # ---------------------------------------------------------- no-op rerun, --fresh, status

@@ -14,8 +14,7 @@ import logging
 import time
 
 from dlbatch.driver.pools import MAX_RESTARTS, JobFailed
-from dlbatch.prompts import structured
-from dlbatch.prompts.sampling import task_sampling
+from dlbatch.prompts import sampling, structured
 
 log = logging.getLogger("dlbatch.run")
 
@@ -34,6 +33,7 @@ class DispatchLoop:
         self.stall_timeout_s = stall_timeout_s  # no batch returned for this long while some are in flight
         self.input_timeout_s = input_timeout_s  # no input for this long while every worker was idle
         self.constraints = structured.task_constraints(spec)  # task -> engine constraint (its `output:`)
+        self.result_fields = structured.result_fields(spec) + sampling.result_fields(spec)  # typed extra columns
         self.map_reduce = self._make_map_reduce()
         self.d = self._dispatcher(pools.workers)
         self.calls = RayWorkers(pools, self.d, self._items_for)
@@ -87,7 +87,7 @@ class DispatchLoop:
     def _collect(self) -> None:
         """Complete documents and dead letters from the dispatcher into the commit buffer."""
         spec, d = self.spec, self.d
-        extra = lambda task, res: structured.row_fields(spec, task, res)  # noqa: E731
+        extra = lambda task, res: {**structured.row_fields(spec, task, res), **sampling.row_fields(res)}  # noqa: E731
         for doc in d.take_completed():
             rows = (self.map_reduce.output_rows(doc, spec.model.name, extra) if self.map_reduce
                     else doc.output_rows(spec.model.name, extra))
@@ -106,7 +106,7 @@ class DispatchLoop:
             return
         rows, errors = self.buf.take()
         if rows or errors:  # one commit: a document's result rows and dead letters land together
-            self.store.commit(rows, errors, self.spec.output.include_text, structured.result_fields(self.spec))
+            self.store.commit(rows, errors, self.spec.output.include_text, self.result_fields)
             self.tally.rows_written += len(rows)
         self.report.note_commit(self.tally)
 
@@ -169,14 +169,17 @@ class DispatchLoop:
         n_front = len(workers.get("prefill") or workers["colocated"])
         folds = structured.fold_keys(spec)  # a constrained task is never folded onto another task's request
 
-        def key(r):  # requests fold only when they would sample alike: same sampling, constraint, stop
-            smp = task_sampling(spec, r["task"])
-            extra = {"constraint": folds[r["task"]]} if r["task"] in folds else {}
-            if smp.stop:
-                extra["stop"] = tuple(smp.stop)
-            if smp.temperature == 0 and not extra:
+        def key(r):  # requests fold only when they would sample alike: same sampling, constraint, stop, extras
+            smp = sampling.request_sampling(spec, r)
+            task = sampling.base_task(r["task"])
+            extra = {"constraint": folds[task]} if task in folds else {}
+            extra.update({k: tuple(v) if isinstance(v, list) else v for k, v in smp.items()
+                          if k not in ("temperature", "top_p", "top_k", "seed") and not isinstance(v, dict)})
+            if r.get("sampling"):  # a row's own sampling (an OpenAI batch line) never folds onto another's
+                extra["row"] = f"{r['doc_id']}::{r['task']}"
+            if smp["temperature"] == 0 and not extra:
                 return None
-            return make_sampling_key(f"{r['doc_id']}::{r['task']}", smp.temperature, smp.top_p, smp.top_k,
+            return make_sampling_key(f"{r['doc_id']}::{r['task']}", smp["temperature"], smp["top_p"], smp["top_k"],
                                      int(r["seed"]), **extra)
 
         return Dispatcher({role: len(ws) for role, ws in workers.items()},
@@ -192,13 +195,12 @@ class DispatchLoop:
         task ("<task>#<key>") write free-text notes: a constrained task's constraint applies
         to its final row's parse, not to its notes."""
         items = []
-        for r in rows:
-            smp = task_sampling(self.spec, r["task"])  # the job's sampling, the task's own over it
+        for r in rows:  # the job's sampling, the task's own over it, the row's own over that
+            smp = sampling.request_sampling(self.spec, r)
+            constraint = smp.pop("constraint", None) or self.constraints.get(sampling.base_task(r["task"]))
             items.append({"request_id": f"{r['doc_id']}::{r['task']}", "token_ids": list(r["prompt_ids"]),
-                          "max_tokens": int(r["max_tokens"]), "temperature": smp.temperature, "top_p": smp.top_p,
-                          "top_k": smp.top_k, "seed": int(r["seed"]) if smp.temperature > 0 else None,
-                          **({"stop": list(smp.stop)} if smp.stop else {}),
-                          **({"constraint": self.constraints[r["task"]]} if r["task"] in self.constraints else {})})
+                          "max_tokens": int(r["max_tokens"]), **smp,
+                          **({"constraint": constraint} if constraint is not None else {})})
         return items
 
     def _make_map_reduce(self):

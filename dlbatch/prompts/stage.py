@@ -20,14 +20,14 @@ import logging
 
 from connectors.parse import STRUCTURE_KEYS
 from connectors.repair import repair_row, repair_text
-from dlbatch.prompts.sampling import task_sampling
+from dlbatch.prompts.sampling import expand_samples, task_sampling
 
 log = logging.getLogger("dlbatch.prompts.stage")
 
 REQUEST_COLUMNS = ["doc_id", "source", "title", "pages", "task", "task_index", "prompt_ids", "max_tokens",
                    "truncated", "seed", "text", "stage", "error_type", "error",
                    "long_input_policy", "doc_tokens", "kept_tokens", "chunk_index", "chunk_count", "chunk_plan",
-                   "columns"]
+                   "columns", "sampling"]
 MIDDLE_MARK = "\n\n[...]\n\n"   # where ``long_inputs: middle`` dropped the middle of a document
 
 
@@ -212,7 +212,7 @@ class PromptStage:
                             "truncated": bool(marks[k]),
                             "seed": derive_seed(task_sampling(spec, t.name).seed, doc["doc_id"], t.name),
                             "stage": None, "error_type": None, "error": None, **_NO_MARK, **marks[k]})
-        return out + map_rows
+        return expand_samples(spec, out) + map_rows
 
     def _context(self, doc: dict) -> dict:
         from connectors.columns import unpack
@@ -303,4 +303,4 @@ def request_schema():
                       ("error_type", pa.string()), ("error", pa.string()),
                       ("long_input_policy", pa.string()), ("doc_tokens", pa.int64()), ("kept_tokens", pa.int64()),
                       ("chunk_index", pa.int64()), ("chunk_count", pa.int64()), ("chunk_plan", pa.string()),
-                      ("columns", pa.binary())])
+                      ("columns", pa.binary()), ("sampling", pa.string())])
