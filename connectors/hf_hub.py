@@ -33,7 +33,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 log = logging.getLogger(__name__)
@@ -291,16 +291,12 @@ def iter_rows(ds, prefix: str, text_field: str, id_field: str | None, title_fiel
               batch_size: int = 256) -> Iterator[dict]:
     """Rows of a Dataset or IterableDataset, read ``batch_size`` at a time as Arrow (the
     same records whether streamed or not)."""
-    import inspect
-
     from .text_sources import record_to_row
 
-    with_arrow = "arrow" in inspect.signature(record_to_row).parameters
     index = 0
     for table in ds.with_format("arrow").iter(batch_size=batch_size):
         for i, record in enumerate(table.to_pylist()):
             source = f"{prefix}{index}"
-            extra: dict[str, Any] = {"arrow": table.slice(i, 1)} if with_arrow else {}
             yield record_to_row(record, source, text_field, id_field, title_field,
-                                raw=None if record.get(text_field) else source, **extra)
+                                raw=None if record.get(text_field) else source, arrow=table.slice(i, 1))
             index += 1

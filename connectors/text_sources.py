@@ -346,9 +346,6 @@ def _iter_dataset(ds, path: str, text_field: str, id_field: str | None, split: s
 
 def _iter_split(ds, prefix: str, text_field: str, id_field: str | None,
                 title_field: str | None) -> Iterator[dict]:
-    columns = [c for c in dict.fromkeys([text_field, id_field, title_field]) if c and c in ds.column_names]
-    records = iter(ds.select_columns(columns)) if columns else ({} for _ in range(len(ds)))
-    for index, record in enumerate(records):
-        source = f"{prefix}{index}"
-        yield record_to_row(record, source, text_field, id_field, title_field,
-                            raw=None if record.get(text_field) else source)
+    from .hf_hub import iter_rows  # every column, with its Arrow type (templates, keep_columns)
+
+    yield from iter_rows(ds, prefix, text_field, id_field, title_field)

@@ -92,7 +92,8 @@ def test_defaults_match_the_documented_job(tmp_path, monkeypatch):
     assert (spec.model.name, spec.model.dtype, spec.model.max_model_len, spec.model.chat) == (
         "smollm2-135m-instruct", "bfloat16", None, None)
     assert [(t.name, t.max_tokens) for t in spec.tasks] == [("summary", 128), ("keywords", 32)]
-    assert spec.sampling.model_dump() == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "stop": []}
+    assert spec.sampling.model_dump(exclude_none=True) == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
+                                                           "stop": []}  # the extras: off
     assert spec.long_inputs == "truncate"
     assert (spec.router.policy, spec.router.window) == ("prefix_aware", 256)
     assert (spec.batching.max_batch_tokens, spec.batching.max_inflight_batches) == (8192, 16)
@@ -367,7 +368,7 @@ def test_empty_input_path():
 def test_hf_dataset_names_are_not_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     spec = parse_job(job(input={"format": "hf", "path": "org/dataset"}))
-    assert spec.input.path == "org/dataset"
+    assert spec.input.path == "hf-dataset://org/dataset?split=train"  # a Hub id (connectors/hf_hub.py)
     (tmp_path / "local_ds").mkdir()
     assert parse_job(job(input={"format": "hf", "path": "local_ds"})).input.path == str(tmp_path / "local_ds")
 
