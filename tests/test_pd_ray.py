@@ -198,3 +198,31 @@ def test_prefill_worker_killed_before_its_kv_is_pulled(ray_local, tiny_path):
     finally:
         ray.kill(pre)
         ray.kill(dec)
+
+
+def test_a_request_its_first_token_ends_keeps_its_logprobs(ray_local, tiny_path):
+    """max_tokens 1: the prefill worker's first token is the whole output and the decode
+    worker answers without decoding; the row still carries that token's logprobs, as one
+    engine gives them."""
+    import ray
+
+    from dlbatch import LLM, SamplingParams
+    from dlbatch.driver.workers import WorkerSpec, make_worker_class
+    from dlbatch.engine.config import EngineConfig
+
+    spec = WorkerSpec(model=tiny_path, engine=EngineConfig(dtype="float32", max_model_len=256), chat=False)
+    pre = make_worker_class("prefill").options(num_cpus=0.25, resources={"chip:fast": 1}).remote(spec)
+    dec = make_worker_class("decode").options(num_cpus=0.25, resources={"chip:cheap": 1}).remote(spec)
+    try:
+        items = [{**it, "logprobs": 3} for it in _items(3, seed=4, max_tokens=1)]
+        outs = ray.get(dec.decode.remote(pre.prefill.remote(items), items), timeout=300)
+        llm = LLM(tiny_path, dtype="float32", max_model_len=256, chat=False)
+        ref = llm.generate([it["token_ids"] for it in items], SamplingParams(max_tokens=1, ignore_eos=True, logprobs=3))
+        for o, r in zip(outs, ref):
+            assert o["finish_reason"] == "length" and len(o["logprobs"]) == 1
+            (e,) = o["logprobs"]
+            assert e["token_id"] == r.token_ids[0] and len(e["top"]) == 3
+            assert e["logprob"] == pytest.approx(e["top"][0]["logprob"], abs=1e-5)  # greedy: the top token
+    finally:
+        ray.kill(pre)
+        ray.kill(dec)

@@ -288,6 +288,10 @@ class DecodeWorkerImpl(_WorkerBase):
                                         "output_tokens": 1, "cached_tokens": p.get("cached_tokens", 0),
                                         "ttft_s": p.get("ttft_s"), "latency_s": p.get("ttft_s"),
                                         "t_first_token": p.get("t_first_token"), "t_done": p.get("t_first_token")}
+                if p.get("first_logprobs") is not None and base.get("logprobs") is not None:
+                    from dlbatch.engine.logprobs import logprob_entries
+
+                    out[p["request_id"]]["logprobs"] = logprob_entries(self.loop.backend.tokenizer, p["first_logprobs"])
                 continue
             if p.get("kv_layers") is not None:  # RDT: already received and checked
                 work.append({**base, **p})
