@@ -48,6 +48,7 @@ FORMAT_EXTENSIONS: dict[str, tuple[str, ...]] = {
     "parquet": (".parquet",),
     "text": (".txt", ".md"),
     "hf": (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet"),  # or a saved-dataset dir
+    "openai_batch": (".jsonl", ".jsonl.gz"),  # OpenAI Batch API request files (connectors/openai_batch.py)
 }
 FORMATS = tuple(FORMAT_EXTENSIONS)
 
@@ -176,10 +177,13 @@ def read_document_file(url: str, format: str, text_field: str = "text", id_field
     Infrastructure errors (missing file after retries, permission) raise; bad content
     becomes error rows. ``max_rows``: the first rows only (:func:`limited_reads`).
     With ``id_field``, a row whose id an earlier row of the file has becomes a
-    ``DuplicateId`` error row naming both sources (`connectors.records.DuplicateIds`).
+    ``DuplicateId`` error row naming both sources (`connectors.records.DuplicateIds`);
+    openai_batch -> one row per request line, its id the line's ``custom_id`` (checked the same way).
     """
     rows = _read_rows(url, format, text_field, id_field, storage_options, max_pages=max_pages, errors=errors,
                       title_field=title_field, split=split)
+    if format == "openai_batch":
+        id_field = "custom_id"
     if id_field:
         rows = DuplicateIds(id_field).check(rows)
     return rows if max_rows is None else islice(rows, max_rows)
@@ -208,6 +212,10 @@ def _read_rows(url: str, format: str, text_field: str, id_field: str | None, sto
         from .text_sources import read_jsonl
 
         yield from read_jsonl(url, text_field, id_field, fs=fs, title_field=title_field)
+    elif format == "openai_batch":
+        from .openai_batch import read_openai_batch
+
+        yield from read_openai_batch(url, fs)
     elif format == "parquet":
         from .text_sources import read_parquet
 
@@ -287,7 +295,7 @@ def count_rows(url: str, format: str, stop: int, storage_options: dict | None = 
     fs, fspath = _url_to_fs(url, storage_options)
     n = 0
     try:
-        if format == "jsonl":
+        if format in ("jsonl", "openai_batch"):
             from .text_sources import _compression_for, _open
 
             with _open(fs, fspath, _compression_for(url)) as f:

@@ -205,7 +205,8 @@ _STRICT = ConfigDict(extra="forbid", strict=True, validate_default=True)
 class InputSpec(BaseModel):
     model_config = _STRICT
 
-    format: Literal["pdf", "jsonl", "parquet", "text", "hf"] = "pdf"
+    # openai_batch: OpenAI Batch API request files, one request a line (connectors/openai_batch.py)
+    format: Literal["pdf", "jsonl", "parquet", "text", "hf", "openai_batch"] = "pdf"
     path: str = "samples/papers"
     text_field: str = Field("text", min_length=1)
     id_field: Optional[str] = None
@@ -266,8 +267,10 @@ class OutputSpec(BaseModel):
     # a list of names, or "all" (every column but the text and those named like a result column)
     keep_columns: Union[list[str], Literal["all"]] = Field(default_factory=list)
     storage_options: dict[str, Any] = Field(default_factory=dict)
-    # parquet: one Parquet part per commit (default); delta: a Delta Lake table (dlbatch/driver/delta_store.py)
-    format: Literal["parquet", "delta"] = "parquet"
+    # parquet: one Parquet part per commit (default); delta: a Delta Lake table (dlbatch/driver/delta_store.py);
+    # openai_batch (openai_batch input only): the Parquet parts, and results.jsonl / errors.jsonl in the
+    # Batch API's output format written from them when a run completes (dlbatch/driver/openai_export.py)
+    format: Literal["parquet", "delta", "openai_batch"] = "parquet"
 
     @field_validator("path")
     @classmethod
@@ -390,6 +393,18 @@ class TaskSpec(BaseModel):
     def source(self) -> str:
         """The template text: its prompt, or its messages expression."""
         return self.prompt if self.prompt is not None else self.messages
+
+
+def openai_batch_tasks() -> list[TaskSpec]:
+    """The implicit task of an ``input.format: openai_batch`` job: each request line is one
+    request row of it, its prompt and sampling the line's body (dlbatch/prompts/stage.py);
+    ``max_tokens`` here is the /v1/completions default, a chat's is CHAT_DEFAULT_MAX_TOKENS."""
+    from connectors.openai_batch import COMPLETIONS_DEFAULT_MAX_TOKENS, TASK
+
+    return [TaskSpec(name=TASK, prompt="{{ text }}", max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)]
+
+
+OPENAI_KEEP = ["custom_id", "url"]  # output.format openai_batch: what the exporter reads from each result row
 
 
 def _default_tasks() -> list[TaskSpec]:
@@ -618,6 +633,36 @@ class JobSpec(BaseModel):
             seen.add(task.name)
         return tasks
 
+    @model_validator(mode="before")
+    @classmethod
+    def _implicit_tasks(cls, data: Any) -> Any:
+        """An openai_batch job leaves ``tasks`` out: its lines are the requests."""
+        if isinstance(data, Mapping) and "tasks" not in data:
+            inp = data.get("input")
+            fmt = inp.get("format") if isinstance(inp, Mapping) else getattr(inp, "format", None)
+            if fmt == "openai_batch":
+                data = {**data, "tasks": openai_batch_tasks()}
+        return data
+
+    @model_validator(mode="after")
+    def _check_openai_batch(self) -> "JobSpec":
+        batch_in, batch_out = self.input.format == "openai_batch", self.output.format == "openai_batch"
+        if batch_out and not batch_in:
+            raise ValueError(f"output.format openai_batch writes the responses to OpenAI batch request lines: it needs "
+                             f"input.format openai_batch (got {self.input.format})")
+        if not batch_in:
+            return self
+        if [t.model_dump() for t in self.tasks] != [t.model_dump() for t in openai_batch_tasks()]:
+            raise ValueError("tasks: an openai_batch input has no tasks (each line's body is its request, answered "
+                             "by one response line); leave tasks out")
+        if self.input.id_field is not None:
+            raise ValueError(f"input.id_field {self.input.id_field!r}: an openai_batch line's id is its custom_id; "
+                             "leave id_field out")
+        keep = self.output.keep_columns
+        if batch_out and keep != "all" and any(c not in keep for c in OPENAI_KEEP):
+            self.output.__dict__["keep_columns"] = list(keep) + [c for c in OPENAI_KEEP if c not in keep]
+        return self
+
     @model_validator(mode="after")
     def _check_columns(self) -> "JobSpec":
         from dlbatch.prompts.templates import column_references
@@ -635,7 +680,7 @@ class JobSpec(BaseModel):
             if self.output.keep_columns:
                 raise ValueError(f"output.keep_columns: {self.input.format} inputs have no columns to keep")
         if isinstance(self.output.keep_columns, list):
-            from dlbatch.driver.output_store import RESULT_COLUMNS
+            from dlbatch.prompts.columns import RESULT_COLUMNS
 
             clash = [c for c in self.output.keep_columns if c in RESULT_COLUMNS or c == "text"]
             if clash:

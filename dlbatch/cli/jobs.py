@@ -1,4 +1,4 @@
-"""`dlbatch run`, `dlbatch status` and `dlbatch compact`."""
+"""`dlbatch run`, `dlbatch status`, `dlbatch compact` and `dlbatch export`."""
 from __future__ import annotations
 
 import json
@@ -46,6 +46,12 @@ def register(sub) -> None:
     c.add_argument("--min-parts", type=int, default=None, metavar="N",
                    help="merge only when more than N small parts exist (default 0: always)")
     c.set_defaults(func=cmd_compact)
+
+    e = sub.add_parser("export", help="write an openai_batch job's results.jsonl and errors.jsonl from its committed "
+                                      "output (also done at the end of every run that completes)")
+    e.add_argument("job")
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    e.set_defaults(func=cmd_export)
 
 
 def _load(args):
@@ -162,4 +168,35 @@ def cmd_compact(args) -> int:
         store.release_lease()
     print(f"{spec.output.path}: {res['merged_parts']} small parts merged into {res['parts_written']} "
           f"({res['parts_before']} small parts before)")
+    return EXIT_OK
+
+
+def cmd_export(args) -> int:
+    """results.jsonl / errors.jsonl of an ``output.format: openai_batch`` job, under its lease."""
+    spec = _load(args)
+    if spec is None:
+        return EXIT_INVALID
+    if spec.output.format != "openai_batch":
+        print(f"dlbatch export writes OpenAI batch files: job {spec.name!r} has output.format {spec.output.format}, "
+              "not openai_batch", file=sys.stderr)
+        return EXIT_INVALID
+    from dlbatch.driver import openai_export
+    from dlbatch.driver.delta_store import open_store
+    from dlbatch.driver.lease import LeaseHeld
+
+    store = open_store(spec.output)
+    try:
+        store.take_lease(spec.name, "export")
+    except LeaseHeld as e:
+        print(f"export not started: {e}", file=sys.stderr)
+        return EXIT_BUSY
+    try:
+        n = openai_export.export(spec, store)
+    except OSError as e:
+        print(f"export failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        store.release_lease()
+    print(f"{spec.output.path}: {n['results']} lines in {openai_export.RESULTS_FILE}, {n['errors']} in "
+          f"{openai_export.ERRORS_FILE}")
     return EXIT_OK

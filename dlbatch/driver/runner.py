@@ -10,6 +10,9 @@ Invariants: a rerun with other output-determining settings is refused (the manif
 fingerprint); documents already committed are never redone unless their one-document
 input file (pdf, text) changed content (connectors.versions: then its old rows are
 superseded first); a job whose inputs are unchanged since it completed is a no-op.
+``output.format: openai_batch``: results.jsonl / errors.jsonl are written from the committed
+rows (`openai_export.export`) at the end of every run that completes, before the manifest
+says complete; a no-op rerun writes them only when they are missing.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import logging
 import sys
 import time
 
+from dlbatch.driver import openai_export
 from dlbatch.driver.output_store import COMPACT_MIN_PARTS
 from dlbatch.driver.pools import MAX_RESTARTS, JobFailed, WorkerPools
 from dlbatch.transfer.errors import brief
@@ -84,6 +88,8 @@ class JobRunner:
         if self.fresh:
             n = store.clear()
             log.info("--fresh: removed %d files of a previous run under %s", n, spec.output.path)
+            if openai_export.wanted(spec):
+                openai_export.clear(store)
         else:
             rec = store.recover()  # what a crashed (or taken-over) holder left half done
             if store.lease.taken_over or any(rec.values()):
@@ -96,7 +102,7 @@ class JobRunner:
         report.startup.start("list_inputs")
         files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
         report.startup.end("list_inputs")
-        from connectors.columns import check_columns
+        from dlbatch.prompts.columns import check_columns
 
         check_columns(spec, files)  # a column a template or keep_columns names: there before anything runs
         listed = set(files)
@@ -126,6 +132,8 @@ class JobRunner:
             log.warning("%d inputs with committed rows are gone from %s (their rows stay; --fresh starts over): %s",
                         len(report.inputs_deleted), spec.input.path, ", ".join(report.inputs_deleted[:5]))
         if manifest and manifest.get("complete") and manifest.get("inputs") == sig:
+            if openai_export.wanted(spec) and not store.fs.exists(f"{store.root}/{openai_export.RESULTS_FILE}"):
+                openai_export.export(spec, store)  # the files of a completed job, when they are missing
             print(f"job {spec.name!r} is already complete in {spec.output.path}: {prog['n_done']} documents done, "
                   f"{prog['n_failed']} failed; nothing to do (use --fresh to start over)", file=sys.stderr)
             return {"noop": True, "docs_ok": prog["n_done"], "docs_failed": prog["n_failed"],
@@ -138,6 +146,8 @@ class JobRunner:
         report.already_done, report.already_failed = prog["n_done"], prog["n_failed"]
         if not todo:
             report = report.finish(store, compaction=self._compact_output(store))
+            if openai_export.wanted(spec):
+                openai_export.export(spec, store)
             store.write_json("_manifest.json", {**store.read_json("_manifest.json"), "complete": True})
             print(f"job {spec.name!r}: every input is already processed; nothing to do", file=sys.stderr)
             return report
@@ -145,6 +155,8 @@ class JobRunner:
         out = self._run_pools(store, todo, skip, report,
                               docs_total_hint=len(files) if by_file else None)
         out = out.finish(store, retries={"worker": out.retries, "io": retry_count() - io_retries_start})
+        if openai_export.wanted(spec):  # from the committed rows, before the job is marked complete
+            openai_export.export(spec, store)
         store.write_json("_manifest.json", {**(store.read_json("_manifest.json") or {}), "complete": True,
                                             "inputs": sig})
         return out

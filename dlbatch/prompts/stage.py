@@ -152,6 +152,8 @@ class PromptStage:
                 "columns": doc.get("columns") if self.keep else None}
         if doc.get("error"):
             return [self._error(base, "parse", doc.get("error_type") or "ParseError", doc["error"])]
+        if spec.input.format == "openai_batch":
+            return self._batch_line(base, doc)
         if not (doc.get("text") or "").strip():
             return [self._error(base, "parse", "EmptyDocument", "document has no text")]
         tasks = spec.tasks
@@ -213,6 +215,40 @@ class PromptStage:
                             "seed": derive_seed(task_sampling(spec, t.name).seed, doc["doc_id"], t.name),
                             "stage": None, "error_type": None, "error": None, **_NO_MARK, **marks[k]})
         return expand_samples(spec, out) + map_rows
+
+    def _batch_line(self, base: dict, doc: dict) -> list[dict]:
+        """An OpenAI batch request line (connectors/openai_batch.py) -> its request row(s): one
+        row of the implicit task (n rows for n samples), the prompt ids from the chat template
+        (chat: the body's messages, ``model.system`` first when they have no system message)
+        or the raw prompt text (completions: encoded as a raw prompt is, special tokens
+        added), ``max_tokens`` the body's (none: CHAT_DEFAULT_MAX_TOKENS or what the context
+        leaves if less, for chat; the task's 16, as the API's, for completions), the seed the
+        body's else the derived one, and the body's sampling as the row's own (``sampling``).
+        A body `translate` refuses, or one that does not fit max_model_len (``LongInput``),
+        is that line's dead letter, naming the key or the sizes."""
+        from connectors.columns import unpack
+        from connectors.openai_batch import CHAT_DEFAULT_MAX_TOKENS, TASK, InvalidRequest, translate
+
+        cols = unpack(doc.get("columns"))
+        try:
+            req = translate(cols.get("url"), json.loads(cols.get("body") or "null"), self.spec.model.name)
+        except InvalidRequest as e:
+            return [self._error(base, "prompt", e.code, str(e)[:500])]
+        ids = self._encode(0, req["messages"]) if req["chat"] else self.tok.encode(req["prompt"])
+        limit, task = self.max_model_len, self.spec.tasks[0]
+        max_tokens = req["max_tokens"]
+        if max_tokens is None:
+            max_tokens = min(CHAT_DEFAULT_MAX_TOKENS, limit - len(ids)) if req["chat"] else task.max_tokens
+        if max_tokens < 1 or len(ids) + max_tokens > limit:
+            return [self._error(base, "prompt", "LongInput",
+                                f"the {'chat' if req['chat'] else 'prompt'} is {len(ids)} tokens, + max_tokens "
+                                f"{max_tokens} exceeds max_model_len {limit}")]
+        seed = req["seed"] if req["seed"] is not None else derive_seed(task_sampling(self.spec, TASK).seed,
+                                                                       doc["doc_id"], TASK)
+        row = {**base, "task": TASK, "task_index": 0, "prompt_ids": ids, "max_tokens": max_tokens, "truncated": False,
+               "seed": seed, "stage": None, "error_type": None, "error": None, **_NO_MARK,
+               "sampling": json.dumps(req["sampling"], sort_keys=True) if req["sampling"] else None}
+        return expand_samples(self.spec, [row])
 
     def _context(self, doc: dict) -> dict:
         from connectors.columns import unpack

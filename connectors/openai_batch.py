@@ -1,0 +1,331 @@
+"""OpenAI Batch API request files (``input.format: openai_batch``): the reader and the
+translation of a request body into what the prompt stage builds.
+
+A request file is JSON Lines, one request a line::
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": ..., "messages": [...]}}
+
+Invariants:
+
+* one row per non-blank line, good or error, in line order; ``source`` is ``<path>#line<N>``
+  (1-based) as `connectors.text_sources.read_jsonl` names it;
+* ``doc_id`` is the line's ``custom_id`` whenever the line has a non-empty string one (good
+  rows always do): `connectors.listing.read_document_file` then turns a repeated id into a
+  ``DuplicateId`` dead letter (`connectors.records.DuplicateIds`); a line without one is an
+  error row whose id is the hash of its bytes;
+* a good row's ``columns`` (`connectors.columns.pack`) hold exactly ``custom_id``, ``url``
+  and ``body`` (the body as JSON text), so the block types do not depend on the bodies;
+  its ``text`` is the chat's message contents, one per line, or the completion prompt;
+* the reader checks the line's envelope only (JSON object, ``custom_id``, ``method`` POST,
+  ``url`` one of `URLS`, ``body`` an object); the body is checked by `translate`, which the
+  prompt stage calls with the job's model name: every problem of a body raises
+  `InvalidRequest` naming the body key, and becomes that line's dead letter, never the job's.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterator
+
+from .records import DECODE_ERROR, MALFORMED_JSON, MISSING_FIELD, error_row, ok_row
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+URLS = (CHAT_URL, COMPLETIONS_URL)
+BAD_REQUEST = "InvalidRequest"
+TASK = "response"  # the implicit task of an openai_batch job: one request row per line
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the API's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 1024  # chat without max_tokens: this, or what the context leaves if less
+
+# body keys that do not change the output: accepted and ignored (stream and friends must be off)
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options", "safety_identifier",
+           "prompt_cache_key"}
+OFF_WHEN = {"stream": (False,), "echo": (False,), "best_of": (1,), "suffix": ("",), "tool_choice": ("none",)}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "presence_penalty",
+          "frequency_penalty", "top_k", "min_p", "repetition_penalty"}
+CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
+COMPLETION_KEYS = COMMON | {"prompt", "logprobs"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class InvalidRequest(ValueError):
+    """A request body the job cannot run as asked; ``code`` is its dead letter's error_type
+    (``ModelMismatch``, ``UnsupportedParameter`` or ``InvalidRequest``)."""
+
+    def __init__(self, message: str, code: str = BAD_REQUEST):
+        super().__init__(message)
+        self.code = code
+
+
+# ------------------------------------------------------------------ reading
+
+
+def read_openai_batch(path: str, fs) -> Iterator[dict]:
+    """One row per non-blank line of an OpenAI batch request file (see the module docstring)."""
+    from .columns import pack
+    from .text_sources import _compression_for, _open
+
+    with _open(fs, path, _compression_for(path)) as f:
+        for number, raw in enumerate(f, start=1):
+            raw = raw.rstrip(b"\r\n")
+            if not raw.strip():
+                continue
+            source = f"{path}#line{number}"
+            row = _line_row(raw, source, number)
+            if not row["error"]:
+                rec = json.loads(raw)
+                row["columns"] = pack({"custom_id": rec["custom_id"], "url": rec["url"],
+                                       "body": json.dumps(rec["body"], ensure_ascii=False)})
+            yield row
+
+
+def _line_row(raw: bytes, source: str, number: int) -> dict:
+    def bad(kind: str, msg: str, doc_id: str | None = None) -> dict:
+        return error_row(source=source, raw=raw, doc_id=doc_id, error_type=kind, error=f"line {number}: {msg}")
+
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return bad(DECODE_ERROR, f"not valid UTF-8 at byte {e.start}")
+    except json.JSONDecodeError as e:
+        return bad(MALFORMED_JSON, f"invalid JSON: {e.msg} (column {e.colno})")
+    if not isinstance(rec, dict):
+        return bad(MALFORMED_JSON, f"a request line is a JSON object, got a JSON {type(rec).__name__}")
+    cid = rec.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return bad(MISSING_FIELD, f"custom_id is missing or not a non-empty string (got {_short(cid)})")
+    extra = sorted(set(rec) - {"custom_id", "method", "url", "body"})
+    if extra:
+        return bad(BAD_REQUEST, f"unknown key(s) {', '.join(extra)} in the request line", cid)
+    if rec.get("method") != "POST":
+        return bad(BAD_REQUEST, f"method must be 'POST', got {_short(rec.get('method'))}", cid)
+    if rec.get("url") not in URLS:
+        return bad(BAD_REQUEST, f"url {_short(rec.get('url'))} is not supported (supported: {', '.join(URLS)})", cid)
+    body = rec.get("body")
+    if not isinstance(body, dict):
+        return bad(BAD_REQUEST, f"body must be a JSON object, got {_short(body)}", cid)
+    return ok_row(doc_id=cid, source=source, text=_body_text(rec["url"], body))
+
+
+def _body_text(url: str, body: dict) -> str:
+    """The document text of a body: the messages' contents (chat) or the prompt; '' when the
+    body has neither in a usable shape (`translate` names the problem)."""
+    if url == CHAT_URL:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return ""
+        texts = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):  # content parts: their text parts
+                content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            texts.append(content if isinstance(content, str) else "")
+        return "\n".join(texts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else ""
+
+
+def custom_ids(path: str, fs, lines: set[int]) -> dict[int, str]:
+    """{line number: custom_id} of the given lines of a request file (lines without a string
+    custom_id left out): what the exporter names the dead letters of lines by."""
+    from .text_sources import _compression_for, _open
+
+    out: dict[int, str] = {}
+    if not lines:
+        return out
+    last = max(lines)
+    with _open(fs, path, _compression_for(path)) as f:
+        for number, raw in enumerate(f, start=1):
+            if number > last:
+                break
+            if number in lines:
+                try:
+                    cid = json.loads(raw).get("custom_id")
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(cid, str) and cid:
+                    out[number] = cid
+    return out
+
+
+# ------------------------------------------------------------------ a body -> a request
+
+
+def translate(url: str, body: Any, model: str) -> dict:
+    """A request body -> ``{"chat": bool, "messages" (chat) | "prompt" (completions),
+    "max_tokens": int | None (None: the body sets none), "seed": int | None, "sampling": {...}}``.
+
+    ``sampling`` holds the request row's own sampling (`dlbatch.prompts.sampling.row_sampling`):
+    temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+    stop (a list), n, logprobs (top-k per token; chat: top_logprobs when logprobs is true,
+    completions: the integer) and constraint ({"kind": "json_schema", "spec": schema}).
+    Keys the body leaves out (or sets to null) are the job's ``sampling``. Raises
+    `InvalidRequest` naming the body key: a model other than ``model`` (``ModelMismatch``), a key
+    that would change the output and is not honoured (``UnsupportedParameter``), a bad value."""
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"body must be a JSON object, got {_short(body)}")
+    chat = url == CHAT_URL
+    if url not in URLS:
+        raise InvalidRequest(f"url {_short(url)} is not supported (supported: {', '.join(URLS)})")
+    given = {k: v for k, v in body.items() if v is not None}
+    got = given.get("model")
+    if got != model:
+        raise InvalidRequest(f"body.model {_short(got)} is not this job's model.name {model!r}; a batch file runs "
+                             "on the job's model: set body.model to it (or model.name to the file's)", "ModelMismatch")
+    allowed = CHAT_KEYS if chat else COMPLETION_KEYS
+    for k in given:
+        if k in allowed or k in IGNORED:
+            continue
+        if k in OFF_WHEN:
+            if any(given[k] == v and type(given[k]) is type(v) for v in OFF_WHEN[k]):
+                continue
+            raise InvalidRequest(f"body.{k} {_short(given[k])} is not supported (only {OFF_WHEN[k][0]!r})",
+                                 "UnsupportedParameter")
+        raise InvalidRequest(f"body.{k} is not supported by this batch engine ({url}); remove it", "UnsupportedParameter")
+    out: dict[str, Any] = {"chat": chat, "max_tokens": None, "seed": None}
+    if chat:
+        out["messages"] = _messages(given.get("messages"))
+    else:
+        out["prompt"] = _prompt(given.get("prompt"))
+    smp: dict[str, Any] = {}
+    mt = {k: _int(given, k, 1) for k in ("max_tokens", "max_completion_tokens") if k in given}
+    if len(set(mt.values())) > 1:
+        raise InvalidRequest(f"body.max_tokens {mt['max_tokens']} and body.max_completion_tokens "
+                             f"{mt['max_completion_tokens']} differ; give one")
+    if mt:
+        out["max_tokens"] = next(iter(mt.values()))
+    for k, lo, hi, lo_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
+                               ("presence_penalty", -2.0, 2.0, False), ("frequency_penalty", -2.0, 2.0, False),
+                               ("min_p", 0.0, 1.0, False), ("repetition_penalty", 0.0, math.inf, True)):
+        if k in given:
+            smp[k] = _number(given, k, lo, hi, lo_open)
+    if "top_k" in given:
+        v = _int(given, "top_k", -1)
+        smp["top_k"] = max(v, 0)  # vLLM's -1 (off) is our 0
+    if "seed" in given:
+        out["seed"] = _int(given, "seed", -(2 ** 63)) % (2 ** 32)
+    if "stop" in given:
+        stop = given["stop"]
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not 1 <= len(stop) <= 4 or any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidRequest(f"body.stop must be a non-empty string or a list of 1 to 4 of them, got "
+                                 f"{_short(given['stop'])}")
+        smp["stop"] = stop
+    if "n" in given:
+        smp["n"] = _int(given, "n", 1, 128)
+    if chat:
+        want = given.get("logprobs", False)
+        if not isinstance(want, bool):
+            raise InvalidRequest(f"body.logprobs must be true or false for {CHAT_URL}, got {_short(want)}")
+        if "top_logprobs" in given:
+            if not want:
+                raise InvalidRequest("body.top_logprobs needs body.logprobs: true")
+            smp["logprobs"] = _int(given, "top_logprobs", 0, 20)
+        elif want:
+            smp["logprobs"] = 0
+        if "response_format" in given:
+            c = _response_format(given["response_format"])
+            if c is not None:
+                smp["constraint"] = c
+    elif "logprobs" in given:
+        smp["logprobs"] = _int(given, "logprobs", 0, 20)
+    out["sampling"] = smp
+    return out
+
+
+def _messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest(f"body.messages must be a non-empty list of messages, got {_short(messages)}")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"body.messages[{i}]"
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"{where} must be an object, got {_short(m)}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise InvalidRequest(f"{where}.role {_short(role)} is not supported (supported: {', '.join(ROLES)})",
+                                 "UnsupportedParameter" if isinstance(role, str) else BAD_REQUEST)
+        extra = sorted(k for k, v in m.items() if k not in ("role", "content", "name") and v is not None)
+        if extra:
+            raise InvalidRequest(f"{where}.{extra[0]} is not supported", "UnsupportedParameter")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequest(f"{where}.content[{j}].type {_short(kind)} is not supported (text parts only)",
+                                         "UnsupportedParameter")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise InvalidRequest(f"{where}.content must be a string or a list of text parts, got {_short(content)}")
+        out.append({"role": ROLES[role], "content": content})
+    return out
+
+
+def _prompt(prompt: Any) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        raise InvalidRequest("body.prompt must be one string here (a list of prompts or token ids is not supported; "
+                             "one prompt per line)", "UnsupportedParameter")
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidRequest(f"body.prompt must be a non-empty string, got {_short(prompt)}")
+    return prompt
+
+
+def _response_format(rf: Any) -> dict | None:
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"kind": "json_schema", "spec": {"type": "object"}}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequest("body.response_format.json_schema.schema must be a JSON Schema object, got "
+                                 f"{_short(schema)}")
+        import jsonschema
+
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as e:
+            raise InvalidRequest(f"body.response_format.json_schema.schema is not a valid JSON Schema: {e.message}")
+        return {"kind": "json_schema", "spec": schema}
+    raise InvalidRequest(f"body.response_format.type {_short(kind)} is not supported (text, json_object, json_schema)",
+                         "UnsupportedParameter")
+
+
+def _int(body: dict, key: str, lo: int, hi: int | None = None) -> int:
+    v = body[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        where = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise InvalidRequest(f"body.{key} must be an integer {where}, got {_short(v)}")
+    return v
+
+
+def _number(body: dict, key: str, lo: float, hi: float, lo_open: bool) -> float:
+    v = body[key]
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= hi and (
+        v > lo if lo_open else v >= lo)
+    if not ok:
+        raise InvalidRequest(f"body.{key} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {_short(v)}")
+    return float(v)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def line_hash(custom_id: str | None, source: str) -> str:
+    """A stable 24-hex-digit hash of a line (its custom_id, else its source): the ids of its
+    output lines, identical on every run."""
+    import hashlib
+
+    key = f"openai_batch:{custom_id if custom_id is not None else '#' + source}"
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
