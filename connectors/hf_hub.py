@@ -291,7 +291,7 @@ def iter_rows(ds, prefix: str, text_field: str, id_field: str | None, title_fiel
               batch_size: int = 256) -> Iterator[dict]:
     """Rows of a Dataset or IterableDataset, read ``batch_size`` at a time as Arrow (the
     same records whether streamed or not)."""
-    from .text_sources import record_to_row
+    from .records import record_to_row
 
     index = 0
     for table in ds.with_format("arrow").iter(batch_size=batch_size):

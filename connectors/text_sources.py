@@ -23,10 +23,9 @@ import os
 import tempfile
 from typing import Any, Iterator
 
-from .ids import id_from_field
 from .io_retry import call_with_retry
-from .records import (BAD_FIELD_TYPE, CORRUPT_FILE, DECODE_ERROR, EMPTY_DOCUMENT, MALFORMED_JSON,
-                      MISSING_FIELD, error_row, ok_row)
+from .records import (CORRUPT_FILE, DECODE_ERROR, EMPTY_DOCUMENT, MALFORMED_JSON, error_row, ok_row,
+                      record_to_row)
 
 log = logging.getLogger(__name__)
 
@@ -63,70 +62,6 @@ def _compression_for(path: str) -> str | None:
     if lower.endswith(".xz"):
         return "xz"
     return None
-
-
-def record_to_row(record: Any, source: str, text_field: str = DEFAULT_TEXT_FIELD,
-                  id_field: str | None = None, title_field: str | None = DEFAULT_TITLE_FIELD,
-                  raw: bytes | str | None = None, arrow=None) -> dict:
-    """Turn one mapping into a row (or an error row); shared by JSONL/Parquet/HF readers.
-    A good row carries the record's other columns (``columns``, `connectors.columns`; from
-    ``arrow``, the record as a one-row Arrow batch, when the reader has it: its types kept).
-    A record without the text field but with chat ``messages`` (a list of {role, content})
-    is a document whose text is its messages' contents, one per line."""
-    row = _record_to_row(record, source, text_field, id_field, title_field, raw)
-    if not row["error"]:
-        from .columns import pack
-
-        row["columns"] = pack(arrow if arrow is not None else record, exclude=(text_field,))
-    return row
-
-
-def messages_text(messages: Any) -> str | None:
-    """The text of an OpenAI-style ``messages`` list (contents joined), None when it is not one."""
-    if not isinstance(messages, list) or not messages:
-        return None
-    parts = []
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m:
-            return None
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: their text parts
-            content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        parts.append(str(content or ""))
-    return "\n".join(parts)
-
-
-def _record_to_row(record: Any, source: str, text_field: str, id_field: str | None, title_field: str | None,
-                   raw: bytes | str | None) -> dict:
-    if not isinstance(record, dict):
-        return error_row(source=source, raw=raw if raw is not None else repr(record),
-                         error_type=MALFORMED_JSON,
-                         error=f"record is a JSON {type(record).__name__}, not an object")
-    raw_for_id = raw if raw is not None else json.dumps(record, sort_keys=True, default=str)
-    doc_id = None
-    if id_field:
-        doc_id = id_from_field(record.get(id_field))
-        if doc_id is None:
-            return error_row(source=source, raw=raw_for_id, error_type=MISSING_FIELD,
-                             error=f"id field {id_field!r} is missing or empty")
-    title = record.get(title_field) if title_field else None
-    title = title.strip() or None if isinstance(title, str) else None
-    text = record.get(text_field)
-    if text is None and text_field not in record:
-        text = messages_text(record.get("messages"))
-    if text is None:
-        keys = ", ".join(sorted(map(str, record))[:10])
-        return error_row(source=source, raw=raw_for_id, doc_id=doc_id, title=title,
-                         error_type=MISSING_FIELD,
-                         error=f"text field {text_field!r} is missing or null (keys: {keys})")
-    if not isinstance(text, str):
-        return error_row(source=source, raw=raw_for_id, doc_id=doc_id, title=title,
-                         error_type=BAD_FIELD_TYPE,
-                         error=f"text field {text_field!r} is a {type(text).__name__}, not a string")
-    if not text.strip():
-        return error_row(source=source, raw=raw_for_id, doc_id=doc_id, title=title,
-                         error_type=EMPTY_DOCUMENT, error=f"text field {text_field!r} is empty")
-    return ok_row(doc_id=doc_id, source=source, text=text, title=title)
 
 
 # ------------------------------------------------------------------ JSONL

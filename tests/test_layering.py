@@ -35,7 +35,7 @@ ALLOWED = {
     "testing": set(),
     "backends": {"engine", "transfer", "base"},  # the engine backends behind the workers' one interface
     "prompts": {"engine", "connectors"},
-    "jobspec": {"prompts", "engine"},
+    "jobspec": {"prompts", "engine", "connectors"},  # input formats: a Hub dataset id, OpenAI batch lines
     "pipelines": {"prompts", "connectors", "jobspec"},
     "driver": {"backends", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report", "connectors",
                "pipelines", "testing", "base"},

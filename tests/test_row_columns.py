@@ -12,9 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from connectors.columns import check_columns, columns_table, pack, peek_columns, unpack
+from connectors.columns import columns_table, pack, unpack
 from connectors.parse import parse_file
 from dlbatch.jobspec import JobSpecError, parse_job
+from dlbatch.prompts.columns import check_columns, peek_columns
 
 QUESTIONS = [
     {"id": "q1", "text": "Paris is the capital of France.", "question": "What is the capital of France?",

@@ -115,7 +115,7 @@ def _inputs(spec) -> list[str]:
         what = f"{len(files):,} {inp.format} files, {total / 1e6:,.1f} MB{more} under {inp.path}"
     print(f"inputs: {what}" + (f"; input.limit {inp.limit}" if inp.limit is not None else ""))
     if inp.format not in ("pdf", "text"):
-        from connectors.columns import missing_columns, peek_columns
+        from dlbatch.prompts.columns import missing_columns, peek_columns
 
         cols = peek_columns(files[0], inp.format, inp.text_field, dict(inp.storage_options))
         print(f"columns (first rows of {files[0]}): {', '.join(sorted(cols)) or 'none'}")

@@ -50,11 +50,10 @@ import logging
 import time
 import uuid
 
+from dlbatch.prompts.columns import RESULT_COLUMNS  # the columns every result row has
+
 log = logging.getLogger("dlbatch.driver.output_store")
 
-RESULT_COLUMNS = ["doc_id", "source", "task", "output", "prompt_tokens", "output_tokens", "finish_reason",
-                  "truncated", "model", "ttft_s", "latency_s", "long_input_policy", "doc_tokens", "kept_tokens",
-                  "chunks"]
 ERROR_COLUMNS = ["doc_id", "source", "task", "stage", "error_type", "error"]  # task: None = the whole document
 INDEX_COLUMNS = ["doc_id", "source", "task", "prompt_tokens", "output_tokens"]
 INDEX_DIR = "_index"
