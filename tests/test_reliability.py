@@ -92,6 +92,47 @@ def test_driver_kill9_at_random_points_then_resume_exactly_once(ray_local, sampl
     assert canon(output_rows(out)) == ref
 
 
+# ----------------------------------------------- two runs on one output, then a takeover
+@pytest.mark.slow
+@pytest.mark.ray
+def test_two_runs_of_one_job_then_a_third_takes_over_after_kill9(ray_local, sample_model, tmp_path, raytmp):
+    """A cron job overlapping yesterday's: the second `dlbatch run` (and a `dlbatch compact`)
+    on the same output exits 3 naming the holder and writes nothing; after the first is
+    kill -9ed (at a seeded moment after its first commit), a third run takes the lease over
+    at once (the holder's pid is dead on this host), checks what it committed, and finishes:
+    every (document, task) exactly once."""
+    job, extra = "jobs/papers.yaml", ["input.limit=3", "model.dtype=float32", *SEQ]
+    out = str(tmp_path / "out")
+    seed = int(os.environ.get("DLBATCH_TEST_SEED", time.time_ns() % 1_000_000))
+    print(f"takeover drill seed: {seed} (rerun with DLBATCH_TEST_SEED={seed})")
+    rng = random.Random(seed)
+    with open(tmp_path / "first.log", "wb") as logf:
+        first = start_run(job, out, extra, raytmp, logf)
+        assert _wait_first_commit(first, out, timeout=600), (tmp_path / "first.log").read_text()[-3000:]
+        second = subprocess.run([sys.executable, "-m", "dlbatch.cli", "run", job, "--no-progress",
+                                 *cli_sets(out, extra)], cwd=REPO, env=ray_env(raytmp), capture_output=True,
+                                text=True, timeout=300)
+        compact = subprocess.run([sys.executable, "-m", "dlbatch.cli", "compact", job, *cli_sets(out, extra)],
+                                 cwd=REPO, env=ray_env(raytmp), capture_output=True, text=True, timeout=300)
+        time.sleep(rng.uniform(0.0, 2.0))
+        alive = first.poll() is None
+        kill_group_and_ray(first, raytmp)
+    assert second.returncode == 3, second.stderr[-2000:]
+    assert "in use by job 'papers'" in second.stderr and f"pid {first.pid}" in second.stderr, second.stderr[-2000:]
+    assert compact.returncode == 3 and "compaction not started" in compact.stderr, compact.stderr[-2000:]
+    rows, _ = check_committed(out, job, extra, raytmp)  # what the killed holder left: whole documents
+    print(f"first run killed {'mid-job' if alive else 'after it finished'} with {len(rows)} of 9 rows committed")
+    with open(tmp_path / "third.log", "wb") as logf:
+        third = start_run(job, out, extra, raytmp, logf)
+        rc = third.wait(timeout=600)
+    log = (tmp_path / "third.log").read_text()
+    assert rc == 0, log[-3000:]
+    if alive:
+        assert "resuming after an interrupted run" in log, log[-3000:]
+    rows, st = check_committed(out, job, extra, raytmp)
+    assert len(rows) == 9 and (st["docs_done"], st["complete"]) == (3, True)
+
+
 # ------------------------------------------------------- sampling: kill, resume, same rows
 @pytest.mark.slow
 @pytest.mark.ray
