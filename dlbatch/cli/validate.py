@@ -171,10 +171,16 @@ def _prompts(spec, files: list[str], n_docs: int, show_chars: int) -> None:
     d, rows = ok[0]
     print(f"prompts of the first document ({d.get('source')}):")
     n = show_chars
-    for t, r in zip(spec.tasks, rows):
+    by_task = {r["task"]: r for r in rows}  # a task's samples 1..n-1 (<task>~i) share its prompt
+    for t in spec.tasks:
+        r = by_task.get(t.name)
+        if r is None:
+            continue
+        samples = sum(1 for k in by_task if k.split("~", 1)[0] == t.name)
         text = stage.tok.decode(list(r["prompt_ids"]))
         shown = text if len(text) <= 2 * n else f"{text[:n]} [...] {text[-n:]}"
-        print(f"  task {t.name}: {len(r['prompt_ids']):,} prompt tokens, max_tokens {t.max_tokens}"
+        print(f"  task {t.name}: {len(r['prompt_ids']):,} prompt tokens, max_tokens {r['max_tokens']}"
+              + (f", {samples} samples" if samples > 1 else "")
               + (f", long-input policy {r.get('long_input_policy')}" if r.get("long_input_policy") else ""))
         print("    " + shown.replace("\n", "\n    "))
     longest = sorted(ok, key=lambda dr: -int(dr[1][0].get("doc_tokens") or len(dr[1][0]["prompt_ids"])))[:3]

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from dlbatch.solver.profile import ModelSpec
 from dlbatch.solver.workload import Workload
 
+COUNT_FILES = 1000  # inputs of record files up to this many: rows counted; more: extrapolated from the sample
+
 log = logging.getLogger("dlbatch.solver")
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -123,6 +125,7 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
     from connectors import list_inputs
     from connectors.parse import parse_file
     from dlbatch.prompts.stage import PromptStage
+    from dlbatch.prompts.sampling import task_sampling
 
     if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
         raise ValueError(f"sample must be an integer >= 1, got {sample!r}")
@@ -138,6 +141,7 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
     doc_tokens: list[int] = []
     suffix_tokens: list[int] = []
     truncated = 0
+    requests = 0  # request rows of a document: its tasks' samples included
     failed: list[str] = []
     docs_read = files_read = 0
     shared = True
@@ -157,10 +161,12 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
                     f"{doc['error_type']}: {doc['error']}"
                 failed.append(f"{doc.get('source', url)}: {why}")
                 continue
-            rows = stage.process(doc)
-            if len(rows) != K or rows[0].get("error"):
-                failed.append(f"{doc.get('source', url)}: {rows[0].get('error') if rows else 'no rows'}")
+            rows = stage.process(doc)  # K rows, and a task's samples 1..n-1 after its row (n > 1)
+            if len(rows) < K or any(r.get("error") for r in rows):
+                bad = next((r.get("error") for r in rows if r.get("error")), None) or "no rows"
+                failed.append(f"{doc.get('source', url)}: {bad}")
                 continue
+            requests = max(requests, len(rows))
             ids = [list(r["prompt_ids"]) for r in rows]
             d = _common_prefix(ids) if K > 1 else len(ids[0])
             if d == 0:
@@ -186,21 +192,29 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
             from connectors.listing import count_rows
 
             total = count_rows(files[0], inp.format, 1 << 62, dict(inp.storage_options))
-        elif files_read >= len(files):
-            total = docs_read
+        elif len(files) <= COUNT_FILES:  # record files: their rows counted, not parsed (JSONL lines, footers)
+            from connectors.listing import count_rows
+
+            stop = inp.limit if inp.limit is not None else 1 << 62
+            total = 0
+            for f in files:
+                total += count_rows(f, inp.format, stop - total, dict(inp.storage_options))
+                if total >= stop:
+                    break
         else:
             total = max(docs_read, int(round(docs_read / files_read * len(files))))
             estimated = True
         if inp.limit is not None:
             total = min(total, inp.limit)
         n_docs = total
-    outputs = [t.max_tokens for t in spec.tasks]
+    n = {t.name: task_sampling(spec, t.name).n or 1 for t in spec.tasks}  # each sample is one more request
+    outputs = [t.max_tokens for t in spec.tasks for _ in range(n[t.name])]
     source = "max_tokens of the tasks"
     if use_report:
         obs = observed_outputs(spec)
         if obs:
             outputs, source = obs, f"observed in a previous run's _report.json, {len(obs)} rows"
-    wl = Workload.from_samples(doc_tokens, suffix_tokens, outputs, n_docs=n_docs, tasks_per_doc=K,
+    wl = Workload.from_samples(doc_tokens, suffix_tokens, outputs, n_docs=n_docs, tasks_per_doc=max(K, requests),
                                prefix_shared=shared)
     model = model_spec_for(spec.model.name, spec.model.dtype, device or _job_device(spec))
     return JobSample(workload=wl, model=model, docs_sampled=len(doc_tokens), docs_total=n_docs,
