@@ -203,3 +203,26 @@ def test_bench_kv_small(ray_local, tmp_path):
     (os_t,) = [t for t in res["targets"] if t.get("transport") == "object_store"]
     assert _close(os_t["ceiling_ray_put_alone"], row["ray_put_alone_gbps"] / base)
     assert os_t["ceiling_below_target"] == (os_t["ceiling_ray_put_alone"] < 0.7)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_scale_bench_quick(tmp_path, capsys):
+    """`dlbatch bench scale --quick`: 200 documents through `dlbatch run` (and 20 for the RSS
+    growth), the no-op rerun, status, the Ray Data baseline and the pyarrow limit; every figure
+    printed and in the JSON."""
+    r = _bench("scale", ["--quick"], tmp_path)
+    printed = capsys.readouterr().out
+    o, small, b, lim = r["ours"], r["ours_small"], r["baseline"], r["limit"]
+    assert r["docs"] == o["docs"] == 200 and small["docs"] == 20
+    for side in (o, small):  # (20 documents can come back in one batch: no generation phase to time)
+        assert side["peak_rss_bytes"] > 0 and side["docs_per_s_e2e"] > 0
+        assert _close(side["docs_per_s_e2e"], side["docs"] / side["wall_s"])
+    assert _close(o["docs_per_s_generation"], 200 / o["generation_s"])
+    assert r["noop_s"] > 0 and r["status_s"] > 0
+    assert _close(b["docs_per_s_pipeline"], 200 / b["pipeline_s"]) and b["docs_per_s_e2e"] > 0
+    assert _close(lim["docs_per_s"], 200 / lim["wall_s"])
+    assert [t["met"] is not None for t in r["targets_met"]] == [True] * 6
+    for line in ("generation phase", "end to end", "baseline Ray Data", "limit (pyarrow", "driver peak RSS",
+                 "no-op rerun", "dlbatch status", "RSS growth", "PASS"):
+        assert line in printed, line

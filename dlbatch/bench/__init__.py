@@ -14,6 +14,7 @@ BENCHES = {
     "kv": "KV payload bandwidth per transport vs memcpy, and transfer/compute overlap",
     "pipeline": "end-to-end documents/s and tokens/s vs Ray Data + transformers generate",
     "router": "prefix-aware vs round-robin routing on the same job",
+    "scale": "driver-side cost at N documents with a tiny model (docs/s, driver peak RSS, no-op rerun, status) vs Ray Data",
     "solver": "measured tokens/s vs the plan's prediction and the simulation",
     "status": "dlbatch status / resume on N committed documents (index, compaction) vs reading every part",
     "structured": "constrained vs free decode step time (batch 1, 32) and per-request grammar compile time",
