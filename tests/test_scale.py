@@ -67,3 +67,43 @@ def test_progress_holds_columns_not_python_objects_per_row(tmp_path):
     assert hasattr(p["done_ids"], "to_pylist") and "d1999" not in set(p["done_ids"].to_pylist())
     assert "/in/bad.pdf" in p["sources_done"] and "/in/1999.pdf" not in p["sources_done"]
     assert p["prompt_tokens"] == 3 * 3999 and p["duplicates"] == 0
+
+
+def test_the_feed_hands_a_big_block_over_in_slices_cut_between_documents():
+    """A block of 3,000 documents (one input file) reaches the dispatcher SLICE_ROWS rows at a
+    time while it has room, each document's rows together: the driver's Python rows stay
+    bounded by what is in flight, whatever the input's size."""
+    import pyarrow as pa
+
+    from dlbatch.driver.feed import InputFeed
+
+    rows = [{"doc_id": f"d{i}", "task": t, "prompt_ids": [1, 2, 3], "max_tokens": 2}
+            for i in range(3000) for t in ("a", "b", "c")]
+
+    class Blocks:
+        def __init__(self):
+            self.left = [pa.Table.from_pylist(rows)]
+
+        def get(self, timeout=0.0):
+            if not self.left:
+                raise StopIteration
+            return self.left.pop(0)
+
+    class Queue:
+        def __init__(self):
+            self.rows = []
+
+        def add_row(self, r):
+            self.rows.append(r)
+            return True
+
+    feed, q = InputFeed(Blocks()), Queue()
+    pulls = []
+    while not feed.exhausted:
+        before = len(q.rows)
+        feed.pull(q, room=lambda: len(q.rows) - before < 600, idle=False)
+        pulls.append(len(q.rows) - before)
+        docs = [r["doc_id"] for r in q.rows]
+        assert len(docs) % 3 == 0 and docs[-1] == docs[-3]  # never a part of a document
+    assert max(pulls) <= 2 * InputFeed.SLICE_ROWS + 2  # bounded by the room, not by the block
+    assert [r["doc_id"] for r in q.rows] == [r["doc_id"] for r in rows] and feed.docs_seen == 3000

@@ -70,7 +70,15 @@ class BatchPrefetcher:
 
 class InputFeed:
     """Request rows from the prefetcher into the dispatcher. Knows how long the driver has
-    been idle (nothing in flight, no document open) waiting for the input pipeline."""
+    been idle (nothing in flight, no document open) waiting for the input pipeline.
+
+    Memory: a block from the stream (one input file's documents, when they are few files) is
+    held as its Arrow table and handed over ``SLICE_ROWS`` rows at a time, cut at a document
+    boundary, while the dispatcher has room; only what is handed over becomes Python rows. So
+    the driver's Python objects grow with what is in flight, not with the input's size, and a
+    document's rows always reach the dispatcher together."""
+
+    SLICE_ROWS = 512
 
     def __init__(self, prefetch: BatchPrefetcher, prepare=lambda row: row):
         self.prefetch = prefetch
@@ -79,25 +87,40 @@ class InputFeed:
         self.idle_since: float | None = None
         self.docs_seen = self.tokens_seen = 0  # documents tokenized this run and their tokens: the ETA of the others
         self._last_doc = None
+        self._block = None  # the rest of the current block (Arrow), not yet handed over
 
     def pull(self, d, room, idle: bool) -> None:
         """Add rows while `room()`; wait a little for input only when nothing else can progress."""
         now = time.time()
         self.idle_since = (self.idle_since or now) if idle and not self.exhausted else None
         while not self.exhausted and room():
-            try:
-                batch = self.prefetch.get(timeout=0.2 if idle else 0.0)
-            except StopIteration:
-                self.exhausted = True
-                return
-            if batch is None:
-                return
+            if self._block is None:
+                try:
+                    self._block = self.prefetch.get(timeout=0.2 if idle else 0.0)
+                except StopIteration:
+                    self.exhausted = True
+                    return
+                if self._block is None:
+                    return
             self.idle_since, idle = None, False
+            batch = self._next_slice()
             for r in batch.to_pylist():
                 if d.add_row(self.prepare(r)) and r.get("prompt_ids"):
                     self.docs_seen += r["doc_id"] != self._last_doc  # a document's rows come together
                     self._last_doc = r["doc_id"]
                     self.tokens_seen += len(r["prompt_ids"]) + int(r["max_tokens"])
+
+    def _next_slice(self):
+        """The next SLICE_ROWS rows of the block, and the rest of the last document's rows."""
+        block = self._block
+        n = min(self.SLICE_ROWS, block.num_rows)
+        if n < block.num_rows:
+            ids = block.column("doc_id")
+            last = ids[n - 1].as_py()
+            while n < block.num_rows and ids[n].as_py() == last:
+                n += 1
+        self._block = block.slice(n) if n < block.num_rows else None
+        return block.slice(0, n)
 
     def idle_for(self, now: float) -> float:
         return 0.0 if self.idle_since is None else now - self.idle_since
