@@ -129,7 +129,7 @@ def _reachable(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
 
 
 @contextlib.contextmanager
-def _offline_mode(offline: bool):
+def offline_mode(offline: bool):
     """``datasets`` and ``huggingface_hub`` read their offline flags at import: set them (and
     the environment, for processes started inside) for the call, restore them after."""
     import datasets.config as dcfg
@@ -165,7 +165,7 @@ def _hub_session(ref: HubRef):
         if unreachable is not None:
             why = f"the Hub at {_endpoint()} does not answer ({unreachable})"
             log.warning("%s: %s; reading it from the cache %s", ref.id, why, cache_dir())
-    with _offline_mode(why is not None):
+    with offline_mode(why is not None):
         yield why
 
 

@@ -63,20 +63,15 @@ class InvalidRequest(ValueError):
 def read_openai_batch(path: str, fs) -> Iterator[dict]:
     """One row per non-blank line of an OpenAI batch request file (see the module docstring)."""
     from .columns import pack
-    from .text_sources import _compression_for, _open
+    from .text_sources import jsonl_lines
 
-    with _open(fs, path, _compression_for(path)) as f:
-        for number, raw in enumerate(f, start=1):
-            raw = raw.rstrip(b"\r\n")
-            if not raw.strip():
-                continue
-            source = f"{path}#line{number}"
-            row = _line_row(raw, source, number)
-            if not row["error"]:
-                rec = json.loads(raw)
-                row["columns"] = pack({"custom_id": rec["custom_id"], "url": rec["url"],
-                                       "body": json.dumps(rec["body"], ensure_ascii=False)})
-            yield row
+    for number, raw, source in jsonl_lines(fs, path):
+        row = _line_row(raw, source, number)
+        if not row["error"]:
+            rec = json.loads(raw)
+            row["columns"] = pack({"custom_id": rec["custom_id"], "url": rec["url"],
+                                   "body": json.dumps(rec["body"], ensure_ascii=False)})
+        yield row
 
 
 def _line_row(raw: bytes, source: str, number: int) -> dict:

@@ -16,12 +16,10 @@ Parquet and datasets (``<path>#<split>/row<N>`` for a DatasetDict).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import tempfile
-from typing import Any, Iterator
+from typing import Iterator
 
 from .io_retry import call_with_retry
 from .records import (CORRUPT_FILE, DECODE_ERROR, EMPTY_DOCUMENT, MALFORMED_JSON, error_row, ok_row,
@@ -67,33 +65,38 @@ def _compression_for(path: str) -> str | None:
 # ------------------------------------------------------------------ JSONL
 
 
+def jsonl_lines(fs, path: str) -> Iterator[tuple[int, bytes, str]]:
+    """(1-based line number, the line's bytes, its source ``<path>#line<N>``) of every
+    non-blank line of a JSON Lines file (compressed by its suffix)."""
+    with _open(fs, path, _compression_for(path)) as f:
+        for number, raw in enumerate(f, start=1):
+            raw = raw.rstrip(b"\r\n")
+            if raw.strip():
+                yield number, raw, f"{path}#line{number}"
+
+
 def read_jsonl(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | None = None,
                fs=None, title_field: str | None = DEFAULT_TITLE_FIELD,
                storage_options: dict | None = None) -> Iterator[dict]:
     """One row per non-blank line of a JSON Lines file (``.jsonl``, ``.json``, ``.jsonl.gz``)."""
     fs = _fs_for(path, fs, storage_options)
-    with _open(fs, path, _compression_for(path)) as f:
-        for number, raw in enumerate(f, start=1):
-            raw = raw.rstrip(b"\r\n")
-            if not raw.strip():
-                continue
-            source = f"{path}#line{number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield error_row(source=source, raw=raw, error_type=DECODE_ERROR,
-                                error=f"line {number}: not valid UTF-8 at byte {exc.start}")
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield error_row(source=source, raw=raw, error_type=MALFORMED_JSON,
-                                error=f"line {number}: invalid JSON: {exc.msg} (column {exc.colno})")
-                continue
-            row = record_to_row(record, source, text_field, id_field, title_field, raw=raw)
-            if row["error"] and not row["error"].startswith("line "):
-                row["error"] = f"line {number}: {row['error']}"
-            yield row
+    for number, raw, source in jsonl_lines(fs, path):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield error_row(source=source, raw=raw, error_type=DECODE_ERROR,
+                            error=f"line {number}: not valid UTF-8 at byte {exc.start}")
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield error_row(source=source, raw=raw, error_type=MALFORMED_JSON,
+                            error=f"line {number}: invalid JSON: {exc.msg} (column {exc.colno})")
+            continue
+        row = record_to_row(record, source, text_field, id_field, title_field, raw=raw)
+        if row["error"] and not row["error"].startswith("line "):
+            row["error"] = f"line {number}: {row['error']}"
+        yield row
 
 
 # ------------------------------------------------------------------ Parquet
@@ -183,32 +186,12 @@ def read_text(path: str, text_field: str | None = None, id_field: str | None = N
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
-@contextlib.contextmanager
 def hf_offline():
-    """No hub access inside: sets HF_HUB_OFFLINE / HF_DATASETS_OFFLINE in the environment
-    and in the already-imported config modules, and restores both afterwards."""
-    keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    saved_env = {k: os.environ.get(k) for k in keys}
-    for k in keys:
-        os.environ[k] = "1"
-    patched: list[tuple[Any, str, Any]] = []
-    try:
-        import datasets.config as dcfg
-        import huggingface_hub.constants as hcst
+    """No hub access inside: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set in the environment and
+    in the already-imported config modules, both restored afterwards (`connectors.hf_hub`)."""
+    from .hf_hub import offline_mode
 
-        for mod, attr in ((dcfg, "HF_HUB_OFFLINE"), (dcfg, "HF_DATASETS_OFFLINE"), (hcst, "HF_HUB_OFFLINE")):
-            if hasattr(mod, attr):
-                patched.append((mod, attr, getattr(mod, attr)))
-                setattr(mod, attr, True)
-        yield
-    finally:
-        for mod, attr, value in patched:
-            setattr(mod, attr, value)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return offline_mode(True)
 
 
 def is_saved_dataset_dir(path: str, fs=None, storage_options: dict | None = None) -> bool:

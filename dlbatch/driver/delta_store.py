@@ -293,7 +293,6 @@ class DeltaOutputStore(OutputStore):
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        from connectors.sink import committed_paths, find_all, read_paths
         from connectors.versions import source_files
 
         self.recover()
@@ -311,14 +310,7 @@ class DeltaOutputStore(OutputStore):
         def keep(t):
             return t.filter(pc.invert(pc.is_in(source_files(t.column("source")), value_set=values)))
 
-        eroot = self._p(ERRORS_DIR)
-        eparts = committed_paths(self.fs, eroot, find_all(self.fs, eroot))
-        for p, t in zip(eparts, read_paths(self.fs, eparts)):
-            drop = t.num_rows - keep(t).num_rows
-            if drop == t.num_rows:
-                self._rm(p)
-            elif drop:
-                self._merge([p], keep=keep, tag=values, base=ERRORS_DIR)
+        self._supersede_errors(keep, values)
         return removed
 
     def compact(self, min_parts: int = 64, small_rows: int = 0, target_rows: int = 0,

@@ -402,7 +402,6 @@ class OutputStore:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        from connectors.sink import committed_paths, find_all, read_paths
         from connectors.versions import source_files
 
         self.recover()
@@ -420,6 +419,14 @@ class OutputStore:
                 self._rm(self._p(f"{INDEX_DIR}/{self._rel(p)}"))
             elif drop:
                 self._merge([p], keep=keep, tag=values)
+        self._supersede_errors(keep, values)
+        return removed
+
+    def _supersede_errors(self, keep, tag) -> None:
+        """The dead-letter parts without the rows ``keep`` drops: each rewritten alone (a
+        compaction of one part), or deleted when every row goes."""
+        from connectors.sink import committed_paths, find_all, read_paths
+
         eroot = self._p(ERRORS_DIR)
         eparts = committed_paths(self.fs, eroot, find_all(self.fs, eroot))
         for p, t in zip(eparts, read_paths(self.fs, eparts)):
@@ -427,8 +434,7 @@ class OutputStore:
             if drop == t.num_rows:
                 self._rm(p)
             elif drop:
-                self._merge([p], keep=keep, tag=values, base=ERRORS_DIR)
-        return removed
+                self._merge([p], keep=keep, tag=tag, base=ERRORS_DIR)
 
     def _rm(self, path: str) -> None:
         from connectors.io_retry import call_with_retry
