@@ -282,3 +282,23 @@ def test_delta_output_on_s3(s3_bucket, s3_options):
     dt = deltalake.DeltaTable(url, storage_options=store.delta_options)
     assert dt.version() == 2 and dt.transaction_version(store.app_id) == 3
     assert again.supersede({"b.jsonl"}) == 3 and again.errors().column("doc_id").to_pylist() == ["d4"]
+
+
+def test_fresh_as_parquet_removes_the_delta_log_of_a_delta_output(tmp_path):
+    """A job that wrote a Delta table and now asks for Parquet parts (--fresh, another format):
+    the data files go and so does the Delta log, so no reader finds a table without its files;
+    another table's log (a manifest that is not a Delta job's) stays."""
+    from dlbatch.driver.output_store import OutputStore
+
+    out = tmp_path / "out"
+    store = DeltaOutputStore(str(out))
+    _fill(store)
+    store.write_json("_manifest.json", {"name": "j", "fields": {"output.format": "delta"}})
+    assert OutputStore(str(out)).clear() > 0
+    assert not deltalake.DeltaTable.is_deltatable(str(out))
+    assert not [p for p in out.rglob("*") if p.is_file() and "_delta_log" in p.parts]
+    other = tmp_path / "other"
+    _fill(DeltaOutputStore(str(other)))
+    OutputStore(str(other)).write_json("_manifest.json", {"name": "j", "fields": {}})
+    OutputStore(str(other)).clear()
+    assert any((other / "_delta_log").iterdir())  # not ours to delete

@@ -546,17 +546,23 @@ class OutputStore:
         result parts at its top level (a job writes none deeper), its own folders
         (``_errors/``, ``_index/``, ``_compact/``, ``_tmp/``), manifest and report. Sub-folders
         (another job's output, a ``year=2024/`` partition) and every other file stay; so does
-        the lease, which the caller holds."""
+        the lease, which the caller holds. An output this job last wrote as a Delta table
+        (its manifest says so; the job now asks for Parquet parts) loses its Delta log too,
+        newest entry first, so no reader finds a table whose data files are gone."""
         from connectors.io_retry import call_with_retry
 
         if not call_with_retry(self.fs.exists, self.root, op=f"exists {self.root}"):
             return 0
+        was_delta = ((self.read_json("_manifest.json") or {}).get("fields") or {}).get("output.format") == "delta"
+        found = [(f[len(self.root):].lstrip("/"), f) for f in call_with_retry(self.fs.find, self.root,
+                                                                                op=f"find {self.root}")]
+        logs = sorted((x for x in found if x[0].startswith("_delta_log/")), reverse=True)  # newest entry first
         n = 0
-        for f in call_with_retry(self.fs.find, self.root, op=f"find {self.root}"):
-            rel = f[len(self.root):].lstrip("/")
+        for rel, f in logs + [x for x in found if not x[0].startswith("_delta_log/")]:
             ours = (rel.startswith((f"{ERRORS_DIR}/", "_tmp/", f"{INDEX_DIR}/", f"{COMPACT_DIR}/"))
                     or rel in ("_manifest.json", "_report.json", "_report.html", "_report.png", SOURCES_FILE)
-                    or ("/" not in rel and rel.startswith("part-") and rel.endswith(".parquet")))
+                    or ("/" not in rel and rel.startswith("part-") and rel.endswith(".parquet"))
+                    or (was_delta and rel.startswith("_delta_log/")))
             if ours:
                 self._guard()
                 call_with_retry(self.fs.rm_file, f, op=f"delete {f}")
