@@ -50,69 +50,33 @@ import logging
 import time
 import uuid
 
+from dlbatch.driver.compaction import (COMPACT_MIN_PARTS, COMPACT_TARGET_BYTES, COMPACT_TARGET_ROWS,  # noqa: F401
+                                       ERRORS_META, SMALL_ROWS)
+from dlbatch.driver.output_files import COMPACT_DIR, ERRORS_DIR, INDEX_DIR, SOURCES_FILE, OutputFiles  # noqa: F401
 from dlbatch.prompts.columns import RESULT_COLUMNS  # the columns every result row has
 
 log = logging.getLogger("dlbatch.driver.output_store")
 
 ERROR_COLUMNS = ["doc_id", "source", "task", "stage", "error_type", "error"]  # task: None = the whole document
 INDEX_COLUMNS = ["doc_id", "source", "task", "prompt_tokens", "output_tokens"]
-INDEX_DIR = "_index"
-COMPACT_DIR = "_compact"
-SOURCES_FILE = "_sources.parquet"  # each input's version when last listed (connectors.versions)
-ERRORS_DIR = "_errors"
-ERRORS_META = b"dlbatch.errors"  # footer key of a result part: the dead letters committed with it
 ERRORS_SUFFIX = "-e.parquet"  # name ending of a result part that carries dead letters
-# compaction defaults: parts under SMALL_ROWS rows are small; merge them when more than
-# COMPACT_MIN_PARTS exist, into parts of about COMPACT_TARGET_ROWS rows
-SMALL_ROWS = 4096
-COMPACT_MIN_PARTS = 64
-COMPACT_TARGET_ROWS = 65536
-COMPACT_TARGET_BYTES = 64 << 20  # ... or of about this many Parquet bytes (a merge holds them in memory)
 
 
 def keys_digest(keys) -> str:
     return hashlib.sha256("\n".join(sorted(f"{a}\t{b}" for a, b in keys)).encode()).hexdigest()[:20]
 
 
-class OutputStore:
+class OutputStore(OutputFiles):
+    """Committed rows: reading them (results, dead letters, progress from the index),
+    committing them exactly once, superseding a replaced input's rows. The folder, its
+    lease and small records are `OutputFiles`'; merges are `Compaction`'s."""
+
+
     def __init__(self, url: str, storage_options: dict | None = None, keep_columns=()):
-        import fsspec
-
-        from connectors.secrets import resolve_options
-
-        self.url = url.rstrip("/")
-        self.storage_options = resolve_options(dict(storage_options or {}))  # ${env:NAME} read here
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
-        self.root = self.root.rstrip("/")
+        super().__init__(url, storage_options)
         self._run_tag = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
         self._uncertain: list[tuple[str, str]] = []  # (dir, part name) of commits that raised
-        self.lease = None  # dlbatch.driver.lease.OutputLease held while this process changes the output
         self.keep_columns = keep_columns  # output.keep_columns: input columns appended to result rows
-
-    def take_lease(self, job: str, command: str = "run", stale_s: float | None = None):
-        """Take the output's lease (raises LeaseHeld naming the holder); `release_lease` gives it back."""
-        from dlbatch.driver.lease import STALE_S, OutputLease
-
-        self.lease = OutputLease(self.fs, self.root, self.url, job, command, stale_s=stale_s or STALE_S).acquire()
-        return self.lease
-
-    def release_lease(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
-            self.lease = None
-
-    def _guard(self) -> None:
-        if self.lease is not None:
-            self.lease.check()
-
-    def _p(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
-    def _u(self, name: str) -> str:
-        return f"{self.url}/{name}"
-
-    def _rel(self, path: str) -> str:
-        return path[len(self.root):].lstrip("/") if path.startswith(self.root) else path
 
     # ---- reading what is committed ------------------------------------------------------
     def _listing(self) -> tuple[list[str], set[str]]:
@@ -215,7 +179,7 @@ class OutputStore:
             "duplicates": n - res.group_by(["doc_id", "task"]).aggregate([]).num_rows,
         }
 
-    # ---- committing -----------------------------------------------------------------------
+    # ---- committing ---------------------------------------------------------------------------
     def _part_name(self, keys) -> str:
         return f"part-{self._run_tag}-{keys_digest(keys)}.parquet"
 
@@ -346,54 +310,6 @@ class OutputStore:
             log.warning("wrote %d dead-letter copies a crash had lost (their parts were committed)", len(copies))
         return {"error_copies": len(copies), "compactions": self.recover_compactions()}
 
-    def read_json(self, name: str) -> dict | None:
-        from connectors.io_retry import call_with_retry
-
-        p = self._p(name)
-        if not call_with_retry(self.fs.exists, p, op=f"exists {p}"):
-            return None
-        return json.loads(call_with_retry(self.fs.cat_file, p, op=f"read {p}"))
-
-    def write_json(self, name: str, data: dict) -> None:
-        """Write then rename, so readers never see half a file."""
-        self._write_file(name, json.dumps(data, indent=2, default=str).encode())
-
-    def _write_file(self, name: str, body: bytes) -> None:
-        from connectors.io_retry import call_with_retry
-        from connectors.sink import sync_dir, write_durable
-
-        self._guard()
-        call_with_retry(self.fs.makedirs, self._p("_tmp"), exist_ok=True, op="makedirs")
-        tmp = self._p(f"_tmp/{uuid.uuid4().hex}")
-        call_with_retry(write_durable, self.fs, tmp, body, op=f"write {tmp}")
-        if "/" in name:
-            call_with_retry(self.fs.makedirs, self._p(name.rsplit("/", 1)[0]), exist_ok=True, op="makedirs")
-        call_with_retry(self.fs.mv, tmp, self._p(name), op=f"commit {name}")
-        sync_dir(self.fs, self._p(name).rsplit("/", 1)[0])
-
-    # ---- input versions (connectors.versions) -------------------------------------------------
-    def read_sources(self) -> dict[str, list]:
-        """{source: [stat key or None, version]} recorded when the inputs were last listed."""
-        from connectors.io_retry import call_with_retry
-        from connectors.sink import read_parquet_bytes
-
-        p = self._p(SOURCES_FILE)
-        if not call_with_retry(self.fs.exists, p, op=f"exists {p}"):
-            return {}
-        t = read_parquet_bytes(call_with_retry(self.fs.cat_file, p, op=f"read {p}")).to_pydict()
-        return {s: [k, v] for s, k, v in zip(t["source"], t["stat"], t["version"])}
-
-    def write_sources(self, sources: dict[str, list]) -> None:
-        import pyarrow as pa
-
-        from connectors.sink import table_to_parquet_bytes
-
-        names = sorted(sources)
-        t = pa.table({"source": pa.array(names, pa.string()),
-                      "stat": pa.array([sources[n][0] for n in names], pa.string()),
-                      "version": pa.array([sources[n][1] for n in names], pa.string())})
-        self._write_file(SOURCES_FILE, table_to_parquet_bytes(t))
-
     def supersede(self, sources: set[str]) -> int:
         """Remove every committed row of ``sources`` (inputs replaced since their rows were
         committed): result rows, their index, dead letters. Each part is rewritten alone,
@@ -423,151 +339,29 @@ class OutputStore:
         return removed
 
     def _supersede_errors(self, keep, tag) -> None:
-        """The dead-letter parts without the rows ``keep`` drops: each rewritten alone (a
-        compaction of one part), or deleted when every row goes."""
-        from connectors.sink import committed_paths, find_all, read_paths
+        """The dead-letter parts without the rows ``keep`` drops (`Compaction.rewrite_errors`)."""
+        from dlbatch.driver.compaction import Compaction
 
-        eroot = self._p(ERRORS_DIR)
-        eparts = committed_paths(self.fs, eroot, find_all(self.fs, eroot))
-        for p, t in zip(eparts, read_paths(self.fs, eparts)):
-            drop = t.num_rows - keep(t).num_rows
-            if drop == t.num_rows:
-                self._rm(p)
-            elif drop:
-                self._merge([p], keep=keep, tag=tag, base=ERRORS_DIR)
+        Compaction(self).rewrite_errors(keep, tag)
 
-    def _rm(self, path: str) -> None:
-        from connectors.io_retry import call_with_retry
-
-        self._guard()
-        try:
-            call_with_retry(self.fs.rm_file, path, op=f"delete {path}")
-        except FileNotFoundError:
-            pass
-
-    # ---- compaction -------------------------------------------------------------------------
     def recover_compactions(self) -> int:
-        """Finish (merged part committed) or drop (it is not) every compaction record left by
-        a crash, of the results and of the dead letters; removes index files whose part is
-        gone. Returns records handled."""
-        from connectors.io_retry import call_with_retry
-        from connectors.sink import find_all, read_parquet_bytes
+        """Finish or drop every compaction a crash left (`Compaction.recover`)."""
+        from dlbatch.driver.compaction import Compaction
 
-        found = set(find_all(self.fs, self.root))
-        n = 0
-        for at in ("", f"{ERRORS_DIR}/"):
-            recs = sorted(f for f in found if self._rel(f).startswith(f"{at}{COMPACT_DIR}/") and f.endswith(".json"))
-            for r in recs:
-                rec = json.loads(call_with_retry(self.fs.cat_file, r, op=f"read {r}"))
-                merged = self._p(at + rec["merged"])
-                if merged in found:
-                    if not at and self._p(f"{INDEX_DIR}/{rec['merged']}") not in found:
-                        t = read_parquet_bytes(call_with_retry(self.fs.cat_file, merged, op=f"read {merged}"))
-                        self._write_index(rec["merged"], t)
-                    for name in rec["replaces"]:
-                        if self._p(at + name) in found:
-                            self._rm(self._p(at + name))
-                self._rm(r)
-            n += len(recs)
-        parts = {self._rel(f) for f in find_all(self.fs, self.root) if "/" not in self._rel(f)}
-        for f in found:
-            rel = self._rel(f)
-            name = rel[len(INDEX_DIR) + 1:]
-            if rel.startswith(f"{INDEX_DIR}/") and "/" not in name and name not in parts:
-                self._rm(f)  # its part was compacted away: an index is written only after its part
-        return n
+        return Compaction(self).recover()
 
     def compact(self, min_parts: int = COMPACT_MIN_PARTS, small_rows: int = SMALL_ROWS,
                 target_rows: int = COMPACT_TARGET_ROWS, target_bytes: int = COMPACT_TARGET_BYTES) -> dict:
-        """Merge the parts of fewer than ``small_rows`` rows into parts of about
-        ``target_rows`` rows (or ``target_bytes`` Parquet bytes, whichever comes first) when
-        more than ``min_parts`` of them exist.
+        """Merge small parts into large ones (`Compaction.compact`)."""
+        from dlbatch.driver.compaction import Compaction
 
-        One merge: (1) the record ``_compact/<M>.json`` naming M and the parts S it replaces;
-        (2) M, written atomically like any part, then its index; (3) the parts S, then their
-        index files, deleted; (4) the record deleted. Readers skip S while the record and
-        M both exist (connectors.sink.compaction_hidden), so a crash at any step leaves
-        every row visible exactly once; `recover_compactions` finishes or drops the rest."""
-        self.recover()
-        small = [(p, t.num_rows) for p, t in self.part_indexes() if t.num_rows < small_rows]
-        if len(small) <= min_parts:
-            return {"parts_before": len(small), "merged_parts": 0, "parts_written": 0}
-        from connectors.io_retry import call_with_retry
-
-        sizes = {k: v.get("size") or 0 for k, v in
-                 call_with_retry(self.fs.find, self.root, maxdepth=1, detail=True, op=f"find {self.root}").items()}
-        groups, cur, n, nbytes = [], [], 0, 0
-        for p, rows in small:
-            cur.append(p)
-            n += rows
-            nbytes += sizes.get(p, 0)
-            if n >= target_rows or nbytes >= target_bytes:
-                groups.append(cur)
-                cur, n, nbytes = [], 0, 0
-        if len(cur) > 1:
-            groups.append(cur)
-        groups = [g for g in groups if len(g) > 1]
-        for g in groups:
-            self._merge(g)
-        return {"parts_before": len(small), "merged_parts": sum(len(g) for g in groups), "parts_written": len(groups)}
+        return Compaction(self).compact(min_parts, small_rows, target_rows, target_bytes)
 
     def _merge(self, paths: list[str], keep=None, tag=None, base: str = "") -> str:
-        """Replace the parts ``paths`` (under ``base``: "" results, ERRORS_DIR dead letters)
-        by one part holding their rows (``keep(table)`` of them); see `compact`."""
-        import pyarrow as pa
+        """Replace ``paths`` by one part of their rows that ``keep`` keeps (`Compaction.merge`)."""
+        from dlbatch.driver.compaction import Compaction
 
-        from connectors.sink import read_paths, write_parquet_atomic
-
-        at = f"{base}/" if base else ""
-        names = [self._rel(p)[len(at):] for p in paths]
-        key = chr(10).join(names) + (f"{chr(10)}keep:{tag}" if keep is not None else "")
-        merged = f"part-c{hashlib.sha256(key.encode()).hexdigest()[:24]}.parquet"
-        record = f"{at}{COMPACT_DIR}/{merged[:-len('.parquet')]}.json"
-        self.write_json(record, {"merged": merged, "replaces": names})
-        table = pa.concat_tables(read_paths(self.fs, paths), promote_options="default")
-        if keep is not None:
-            table = keep(table)
-        meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != ERRORS_META}
-        table = table.replace_schema_metadata(meta or None)  # the copies under _errors/ exist (recover ran)
-        write_parquet_atomic(table, self._u(base) if base else self.url, merged, self.storage_options)
-        if not base:
-            self._write_index(merged, table)
-        for p, n in zip(paths, names):
-            self._rm(p)
-            if not base:
-                self._rm(self._p(f"{INDEX_DIR}/{n}"))
-        self._rm(self._p(record))
-        log.info("%s %d parts (%d rows) into %s", "compacted" if keep is None else "rewrote", len(paths),
-                 table.num_rows, at + merged)
-        return merged
-
-    def clear(self) -> int:
-        """--fresh: delete what this job wrote under the output path and nothing else: the
-        result parts at its top level (a job writes none deeper), its own folders
-        (``_errors/``, ``_index/``, ``_compact/``, ``_tmp/``), manifest and report. Sub-folders
-        (another job's output, a ``year=2024/`` partition) and every other file stay; so does
-        the lease, which the caller holds. An output this job last wrote as a Delta table
-        (its manifest says so; the job now asks for Parquet parts) loses its Delta log too,
-        newest entry first, so no reader finds a table whose data files are gone."""
-        from connectors.io_retry import call_with_retry
-
-        if not call_with_retry(self.fs.exists, self.root, op=f"exists {self.root}"):
-            return 0
-        was_delta = ((self.read_json("_manifest.json") or {}).get("fields") or {}).get("output.format") == "delta"
-        found = [(f[len(self.root):].lstrip("/"), f) for f in call_with_retry(self.fs.find, self.root,
-                                                                                op=f"find {self.root}")]
-        logs = sorted((x for x in found if x[0].startswith("_delta_log/")), reverse=True)  # newest entry first
-        n = 0
-        for rel, f in logs + [x for x in found if not x[0].startswith("_delta_log/")]:
-            ours = (rel.startswith((f"{ERRORS_DIR}/", "_tmp/", f"{INDEX_DIR}/", f"{COMPACT_DIR}/"))
-                    or rel in ("_manifest.json", "_report.json", "_report.html", "_report.png", SOURCES_FILE)
-                    or ("/" not in rel and rel.startswith("part-") and rel.endswith(".parquet"))
-                    or (was_delta and rel.startswith("_delta_log/")))
-            if ours:
-                self._guard()
-                call_with_retry(self.fs.rm_file, f, op=f"delete {f}")
-                n += 1
-        return n
+        return Compaction(self).merge(paths, keep, tag, base)
 
 
 def _result_key(r: dict) -> tuple:
