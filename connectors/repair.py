@@ -6,9 +6,9 @@ such value fails ``pa.Table.from_pylist`` and, with it, a whole batch of documen
 string that leaves the parse stage or the prompt stage goes through here first:
 
 * ids and sources (``doc_id``, ``source``): each lone surrogate becomes its escape text
-  ``\\udXXX`` (``"b\\ud800"`` -> ``"b\\\\ud800"``, as the JSON file spells it), so two ids that
-  differ only in their surrogates stay two ids, and the same input gives the same id in every
-  run (a rerun finds the document committed or dead-lettered and skips it);
+  (a backslash, ``u`` and its four hex digits: ``"b\\ud800"`` -> ``"b\\\\ud800"``, as the JSON
+  file spells it), so two ids that differ only in their surrogates stay two ids, and the same
+  input gives the same id in every run (a rerun finds the document committed or dead-lettered and skips it);
 * text (``text``, ``title``, ``error`` and the rest): each lone surrogate becomes U+FFFD, the
   replacement character, as any UTF-8 decoder does with a bad byte; the document is processed.
 
@@ -49,8 +49,9 @@ def repair_text(value):
 
 
 def repair_id(value):
-    """A string with every lone surrogate written as its escape ``\\udXXX``; other values as
-    they are. Deterministic and injective on strings without a literal ``\\ud`` escape."""
+    """A string with every lone surrogate written as its escape (``\\ud800`` for U+D800);
+    other values as they are. Deterministic and injective on strings without a literal
+    ``\\ud`` escape."""
     if not isinstance(value, str) or not _SURROGATE.search(value):
         return value
     return _joined(value).encode("utf-8", "backslashreplace").decode("utf-8")
