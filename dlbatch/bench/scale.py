@@ -54,7 +54,7 @@ def write_docs(path: str, n: int, tokens: int, seed: int = 0) -> str:
     rng = random.Random(seed)
     with open(path, "w") as f:
         for i in range(n):  # the index first: distinct texts even if two draws matched
-            f.write(json.dumps({"id": f"d{i:07d}", "text": f"w{3 + i % 4000} " + random_words(rng, tokens - 1)})
+            f.write(json.dumps({"id": f"d{i:07d}", "text": f"t{3 + i % 4000} " + random_words(rng, tokens - 1)})
                     + "\n")
     return path
 
