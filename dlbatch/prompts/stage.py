@@ -74,6 +74,9 @@ class PromptStage:
         self.renders = [compile_task_templates([t]) if t.prompt is not None else None for t in self.spec.tasks]
         self.chats = [compile_messages(t.name, t.messages) if t.messages is not None else None for t in self.spec.tasks]
         self.keep = bool(self.spec.output.keep_columns)  # request rows carry the input's columns
+        from dlbatch.prompts.templates import reads_row
+
+        self.reads_row = any(reads_row(t.source) for t in self.spec.tasks)  # else a row's columns stay packed
         self.map_reduce = map_reduce   # True: `chunk` documents become ChunkPlan map rows
         # ids not to redo: a SkipSet (8 bytes per id) from the driver, or any iterable of ids
         self.skip = skip_doc_ids if isinstance(skip_doc_ids, SkipSet) else SkipSet(skip_doc_ids or ())
@@ -253,8 +256,8 @@ class PromptStage:
     def _context(self, doc: dict) -> dict:
         from connectors.columns import unpack
 
-        row = unpack(doc.get("columns"))
-        if doc.get("columns") is not None:
+        row = unpack(doc.get("columns")) if self.reads_row else {}
+        if doc.get("columns") is not None and self.reads_row:
             row[self.spec.input.text_field] = doc["text"]
         ctx = {"text": doc["text"], "title": doc.get("title") or "", "doc_id": doc["doc_id"],
                "source": doc["source"], "pages": doc.get("pages") or 0, "row": row}

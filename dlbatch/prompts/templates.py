@@ -285,6 +285,11 @@ def column_references(source: str) -> set[str]:
     return names
 
 
+def reads_row(source: str) -> bool:
+    """Whether a template reads the input row at all (``row`` or a column by its name)."""
+    return "row" in meta.find_undeclared_variables(_ENV.parse(source)) or bool(column_references(source))
+
+
 class _SampleRow(dict):
     """The row of the sample document: any column reads as a sample string."""
 
