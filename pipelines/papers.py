@@ -20,7 +20,7 @@ its storage options.
 """
 from __future__ import annotations
 
-CPUS_PER_PROMPT_ACTOR = 8  # a local run declares 8 logical CPUs on 2 cores (dlbatch.driver.session): one actor
+CPUS_PER_PROMPT_ACTOR = 8  # a local run declares 8 logical CPUs on 2 cores (dlbatch.workers.session): one actor
 MAX_BLOCKS = 64
 
 

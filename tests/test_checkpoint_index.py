@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from dlbatch.driver.output_store import INDEX_DIR, OutputStore
+from dlbatch.output.parquet_store import INDEX_DIR, OutputStore
 from dlbatch.testing.faultfs import FaultPlan, SimulatedCrash, install
 
 ROW = {"output": "some output text " * 20, "prompt_tokens": 10, "output_tokens": 2, "finish_reason": "length",

@@ -1,4 +1,4 @@
-"""Delta Lake output (`output.format: delta`, dlbatch/driver/delta_store.py): commits are
+"""Delta Lake output (`output.format: delta`, dlbatch/output/delta_store.py): commits are
 Delta transactions with an idempotent application transaction id; progress, dead letters,
 supersede, compaction and --fresh on the table; deltalake, duckdb and polars see exactly the
 committed rows. The slow drill kills `dlbatch run` (kill -9) mid-job and reruns it."""
@@ -15,8 +15,8 @@ import pytest
 
 deltalake = pytest.importorskip("deltalake")
 
-from dlbatch.driver.delta_store import DeltaOutputStore, delta_storage_options, open_store  # noqa: E402
-from dlbatch.driver.output_store import ERRORS_DIR, OutputStore  # noqa: E402
+from dlbatch.output.delta_store import DeltaOutputStore, delta_storage_options, open_store  # noqa: E402
+from dlbatch.output.parquet_store import ERRORS_DIR, OutputStore  # noqa: E402
 from tests.helpers.jobs import (REPO, SEQ, cli_sets, cli_status, kill_group_and_ray, ray_env,  # noqa: E402
                                 start_run)
 
@@ -106,7 +106,7 @@ def test_retried_commit_is_a_noop(tmp_path, monkeypatch):
     assert len(calls) == 1 and deltalake.DeltaTable(out).version() == 1
     # 2) the error escapes (one attempt), dead letters pending; the next flush holds the same
     #    rows plus new ones: the landed ones are dropped, its dead letters published
-    monkeypatch.setattr("dlbatch.driver.delta_store.COMMIT_ATTEMPTS", 1)
+    monkeypatch.setattr("dlbatch.output.delta_store.COMMIT_ATTEMPTS", 1)
     with pytest.raises(OSError):
         store.commit(_rows("d3", tasks=("summary",)), [_err("d3", task="keywords")], include_text=False)
     monkeypatch.setattr(deltalake, "write_deltalake", real)
@@ -134,7 +134,7 @@ def test_dead_letters_count_only_when_their_transaction_landed(tmp_path, monkeyp
     def no_commit(*a, **k):
         raise OSError("killed")
 
-    monkeypatch.setattr("dlbatch.driver.delta_store.COMMIT_ATTEMPTS", 1)
+    monkeypatch.setattr("dlbatch.output.delta_store.COMMIT_ATTEMPTS", 1)
     monkeypatch.setattr(deltalake, "write_deltalake", no_commit)
     with pytest.raises(OSError):
         store.commit(_rows("d3", tasks=("summary",)), [_err("d3", task="keywords")], include_text=False)
@@ -288,7 +288,7 @@ def test_fresh_as_parquet_removes_the_delta_log_of_a_delta_output(tmp_path):
     """A job that wrote a Delta table and now asks for Parquet parts (--fresh, another format):
     the data files go and so does the Delta log, so no reader finds a table without its files;
     another table's log (a manifest that is not a Delta job's) stays."""
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     out = tmp_path / "out"
     store = DeltaOutputStore(str(out))

@@ -334,8 +334,8 @@ def test_hung_input_source_fails_naming_what_it_waited_for(tmp_path):
     import time
 
     from dlbatch.driver.loop import DispatchLoop
-    from dlbatch.driver.output_store import OutputStore
-    from dlbatch.driver.pools import JobFailed, WorkerPools
+    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.workers.pools import JobFailed, WorkerPools
     from dlbatch.jobspec import load_job
     from dlbatch.report.metrics import JobMetrics
     from dlbatch.report.progress import Progress

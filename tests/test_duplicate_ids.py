@@ -109,7 +109,7 @@ def test_the_feed_counts_only_the_document_not_its_duplicate():
 
 @pytest.mark.ray
 def test_job_with_one_id_in_two_files_and_a_rerun(ray_local, sample_model, tmp_path):
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
     from tests.helpers.jobs import output_rows, run_job
 
     src = tmp_path / "in"

@@ -189,7 +189,7 @@ def test_remote_gguf_copy_goes_to_the_private_cache(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- shm
 
 def _pools(via, workers):
-    from dlbatch.driver.pools import WorkerPools
+    from dlbatch.workers.pools import WorkerPools
     from dlbatch.jobspec import load_job
 
     p = WorkerPools(load_job("jobs/papers_jsonl.yaml", []))
@@ -200,7 +200,7 @@ def _pools(via, workers):
 def test_shm_across_nodes_fails_at_start_naming_the_nodes(monkeypatch):
     import ray
 
-    from dlbatch.driver.pools import JobFailed
+    from dlbatch.workers.pools import JobFailed
 
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
     split = {"prefill": [FakeWorker("aaaa")], "decode": [FakeWorker("aaaa"), FakeWorker("bbbb")]}

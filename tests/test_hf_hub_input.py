@@ -168,7 +168,7 @@ def test_jobspec_folds_the_settings_into_the_input(offline_hub, tmp_path):
 
 def test_validate_and_status(offline_hub, tmp_path, capsys):
     from dlbatch.cli.main import main
-    from dlbatch.driver.status import job_status
+    from dlbatch.output.status import job_status
 
     sets = ["input.format=hf", "input.path=org/name", "input.config=en", f"output.path={tmp_path / 'out'}",
             "cluster.colocated={chip: fast, replicas: 1, num_cpus: 0.5}"]

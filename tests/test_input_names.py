@@ -94,7 +94,7 @@ def test_a_name_that_spells_an_escape_literally_still_opens(tmp_path):
 def test_job_over_a_folder_with_such_a_name_runs_and_reruns(ray_local, sample_model, tmp_path):
     """The job processes the file; the output names it as the listing does, so the runner
     counts it done; a rerun with one more file runs that file only."""
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
     from tests.helpers.jobs import output_rows, run_job
 
     d = _texts(tmp_path)

@@ -2,11 +2,12 @@
 
 Every import of the shipped code is read from its source (module level and inside
 functions alike: a lazy import is still an arrow), mapped to the part it belongs to, and
-checked against ALLOWED, the picture of docs/DESIGN and the README's tree:
+checked against ALLOWED, the picture of docs/architecture.md:
 
-    cli -> bench -> driver -> jobspec -> prompts -> engine
-                       \\-> backends -> engine, transfer
-                       \\-> router, transfer, solver, report, pipelines, connectors
+    cli -> bench -> driver -> output, workers, backends, jobspec, prompts, router, solver, report
+                    workers -> backends -> engine, transfer
+                    jobspec -> prompts -> engine, connectors
+    records (request keys, result rows): imported by every stage, imports nothing
 
 `engine`, `transfer`, `router`, `solver`, `report` and `connectors` import nothing of the
 rest: the engine runs without Ray or the driver, the solver reads profiles, not engines,
@@ -26,6 +27,7 @@ PACKAGES = ("dlbatch", "connectors", "pipelines")
 # part -> the parts it may import (its own modules always)
 ALLOWED = {
     "base": set(),  # dlbatch.cache, dlbatch.cbuild: the per-user cache and the C-kernel builder
+    "records": set(),  # dlbatch.records: request keys, result and dead-letter rows, shared by every stage
     "engine": {"base"},
     "transfer": {"base"},
     "router": set(),
@@ -33,15 +35,17 @@ ALLOWED = {
     "report": set(),
     "connectors": set(),
     "testing": set(),
-    "backends": {"engine", "transfer", "base"},  # the engine backends behind the workers' one interface
-    "prompts": {"engine", "connectors"},
-    "jobspec": {"prompts", "engine", "connectors"},  # input formats: a Hub dataset id, OpenAI batch lines
-    "pipelines": {"prompts", "connectors", "jobspec"},
-    "driver": {"backends", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report", "connectors",
+    "backends": {"records", "engine", "transfer", "base"},  # the engine backends behind the workers' one interface
+    "output": {"records", "prompts", "connectors", "base"},  # the output folder: lease, stores, compaction, export, status
+    "workers": {"records", "backends", "engine", "transfer", "testing", "jobspec", "base"},  # the Ray side: actors, pools, session, calls
+    "prompts": {"records", "engine", "connectors"},
+    "jobspec": {"records", "prompts", "engine", "connectors"},  # input formats: a Hub dataset id, OpenAI batch lines
+    "pipelines": {"records", "prompts", "connectors", "jobspec"},
+    "driver": {"records", "output", "workers", "backends", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report", "connectors",
                "pipelines", "testing", "base"},
-    "bench": {"backends", "driver", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report", "connectors",
+    "bench": {"records", "output", "workers", "backends", "driver", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report", "connectors",
               "pipelines", "base"},
-    "cli": {"backends", "bench", "driver", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report",
+    "cli": {"records", "output", "workers", "backends", "bench", "driver", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report",
             "connectors", "pipelines", "base"},
 }
 

@@ -122,7 +122,7 @@ def test_unknown_engine_args_of_our_engine_are_named(tmp_path):
         load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", "model.engine_args.max_num_seq=8",
                                       "model.engine_args.warp=1"])
     spec = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", "model.engine_args.max_num_seqs=8"])
-    from dlbatch.driver.pools import engine_config
+    from dlbatch.workers.pools import engine_config
 
     assert engine_config(spec, spec.cluster.prefill).max_num_seqs == 8
 

@@ -1,7 +1,7 @@
 """OpenAI Batch API files in and out (issue 29, point 2): ``input.format: openai_batch`` reads
 request lines (connectors/openai_batch.py), each one request row of the implicit ``response``
 task whose prompt and sampling are the line's body; ``output.format: openai_batch`` writes the
-Batch API's results.jsonl / errors.jsonl from the committed rows (dlbatch/driver/openai_export.py)."""
+Batch API's results.jsonl / errors.jsonl from the committed rows (dlbatch/output/openai_export.py)."""
 from __future__ import annotations
 
 import json
@@ -217,7 +217,7 @@ def test_exporter_lines_parse_as_the_api_types():
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
 
-    from dlbatch.driver.openai_export import error_line, order_key, response_line
+    from dlbatch.output.openai_export import error_line, order_key, response_line
 
     lps = [_lp("Hi", 5, -0.1, [("Hi", 5, -0.1), ("Hey", 6, -2.5)]), _lp("é", 7, -0.2, [("é", 7, -0.2)])]
     chat = {"doc_id": "c1", "source": "/x/b.jsonl#line3", "task": "response", "output": "Hié", "prompt_tokens": 10,

@@ -9,8 +9,8 @@ import socket
 import pyarrow.parquet as pq
 import pytest
 
-from dlbatch.driver.lease import LEASE_DIR, LeaseHeld, LeaseLost, OutputLease
-from dlbatch.driver.output_store import ERRORS_DIR, OutputStore
+from dlbatch.output.lease import LEASE_DIR, LeaseHeld, LeaseLost, OutputLease
+from dlbatch.output.parquet_store import ERRORS_DIR, OutputStore
 
 ROW = {"doc_id": "d1", "source": "a.pdf", "output": "x", "prompt_tokens": 3, "output_tokens": 1}
 ERR = {"doc_id": "d1", "source": "a.pdf", "task": "keywords", "stage": "generate", "error_type": "ConstraintError",

@@ -291,7 +291,7 @@ def test_parse_caps_in_the_job_file_defaults_and_validation(tmp_path):
 def test_job_over_jsonl_with_lone_surrogates_runs_and_reruns(ray_local, sample_model, tmp_path):
     """The issue's run: two rows with lone surrogates among three good ones. The job exits with
     every document done; a rerun is a no-op; a rerun after a new row runs only that row."""
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
     from tests.helpers.jobs import output_rows, run_job
 
     src = _jsonl(tmp_path)
@@ -316,7 +316,7 @@ def test_dlbatch_run_with_a_crashing_and_a_hanging_pdf_parser(raytmp, sample_mod
     """`dlbatch run` over five PDFs, one whose parser segfaults and one whose parser hangs:
     exit 0, three papers done, two dead letters naming the cause; a rerun with one more paper
     parses only that paper (the dead-lettered files are not parsed again)."""
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
     from tests.helpers.jobs import output_rows, ray_env
 
     d = _pdf_dir(tmp_path)

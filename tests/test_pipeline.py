@@ -14,7 +14,7 @@ SHORT = ["tasks.0.max_tokens=8", "tasks.1.max_tokens=6", "tasks.2.max_tokens=6",
 
 
 def _rows(out):
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     return OutputStore(out).results().to_pylist()
 
@@ -45,7 +45,7 @@ def test_sample_job_pd_then_noop_and_status(ray_local, sample_model, tmp_path):
     assert {"ray_start", "workers_ready", "model_load", "data_first_batch", "generation"} <= set(st["phases_s"])
     again = _run("jobs/papers.yaml", out, ["input.limit=2"])
     assert again.get("noop") and len(_rows(out)) == 6
-    from dlbatch.driver.status import job_status
+    from dlbatch.output.status import job_status
 
     st = job_status(load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, "input.limit=2"]))
     assert (st["docs_done"], st["docs_failed"], st["docs_pending"], st["rows"]) == (2, 0, 0, 6)
@@ -75,7 +75,7 @@ def test_colocated_equals_pd_greedy_through_every_transport(ray_local, sample_mo
 
 
 def test_jsonl_input_with_bad_rows_dead_lettered(ray_local, sample_model, tmp_path):
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     src = tmp_path / "docs.jsonl"
     good = "Solar cells convert light into electricity. " * 20
@@ -93,7 +93,7 @@ def test_jsonl_input_with_bad_rows_dead_lettered(ray_local, sample_model, tmp_pa
 
 
 def test_bad_pdfs_dead_lettered_good_ones_written(ray_local, sample_model, tmp_path):
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
     from tests.helpers.bad_inputs import build_bad_corpus
 
     corpus = build_bad_corpus(tmp_path / "corpus", oversized_pages=8)
@@ -122,7 +122,7 @@ def test_long_inputs_truncate_and_skip(ray_local, sample_model, tmp_path):
     out2 = str(tmp_path / "s")
     _run("jobs/papers_jsonl.yaml", out2, [f"input.path={src}", "input.id_field=id", "model.max_model_len=512",
                                           "long_inputs=skip"])
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     assert {r["doc_id"] for r in _rows(out2)} == {"short"}
     assert [e["error_type"] for e in OutputStore(out2).errors().to_pylist()] == ["LongInput"]

@@ -24,7 +24,7 @@ def _run(overrides):
 
     spec = load_job("jobs/papers.yaml", FAST + overrides)
     report = JobRunner(spec, fresh=True, progress=False).run()
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     store = OutputStore(spec.output.path, spec.output.storage_options)
     rows = store.results().to_pylist()

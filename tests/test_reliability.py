@@ -230,7 +230,7 @@ def test_noop_rerun_and_fresh_touches_only_this_jobs_files(ray_local, sample_mod
 
 
 def test_status_does_not_import_ray_and_counts_committed(tmp_path, raytmp):
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     src = write_jsonl(tmp_path / "docs.jsonl", {**DOCS, "gamma": "Third document. " * 5})
     out = str(tmp_path / "out")
@@ -308,7 +308,7 @@ def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path,
 
 @pytest.mark.ray
 def test_poison_pill_dead_lettered_others_complete(ray_local, sample_model, tmp_path, monkeypatch):
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     src = write_jsonl(tmp_path / "docs.jsonl", {**DOCS, "poison": "This document crashes every worker. " * 6})
     out = str(tmp_path / "out")
@@ -329,7 +329,7 @@ def test_a_hung_batch_is_failed_by_its_own_bound_and_the_job_goes_on(ray_local, 
     batching.batch_timeout_s its batch fails and its worker is restarted; the document that
     hangs is run alone, hangs again and is dead-lettered naming the bound; the others commit
     long before the stall timeout."""
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     src = write_jsonl(tmp_path / "docs.jsonl", {**DOCS, "poison": "This document hangs every worker. " * 6})
     out = str(tmp_path / "out")
@@ -427,7 +427,7 @@ def faulty_fs():
 
 @pytest.mark.ray
 def test_transient_io_errors_retried_and_counted(ray_local, sample_model, tmp_path, faulty_fs):
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     src = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     out = f"faultymem://reliability-{os.getpid()}-{time.time_ns()}/out"
@@ -451,7 +451,7 @@ def test_transient_io_errors_retried_and_counted(ray_local, sample_model, tmp_pa
 
 
 def test_permanent_io_error_fails_with_clear_message_and_keeps_committed(tmp_path, faulty_fs, capsys):
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
     from dlbatch.cli import main
 
     src = write_jsonl(tmp_path / "docs.jsonl", DOCS)

@@ -128,7 +128,7 @@ def test_validate_names_a_missing_column_with_exit_2(tmp_path):
 def test_columns_kept_in_the_output_with_their_types(ray_local, sample_model, tmp_path):
     """A Parquet input: a column used in the template, two kept with their Arrow types
     (int32, list<string>), and a chat task beside the template task."""
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
     from dlbatch.driver.runner import JobRunner
 
     table = pa.table({"id": ["q1", "q2"], "text": [q["text"] for q in QUESTIONS],

@@ -20,7 +20,7 @@ def test_report_histograms_hold_a_bounded_sample():
 def test_status_counts_table_inputs_without_parsing_them(tmp_path, monkeypatch):
     import connectors
     import connectors.listing as listing
-    from dlbatch.driver.status import job_status
+    from dlbatch.output.status import job_status
     from dlbatch.jobspec import load_job
 
     src = tmp_path / "docs.jsonl"
@@ -55,7 +55,7 @@ def test_skip_set_answers_membership_in_8_bytes_per_id():
 
 
 def test_progress_holds_columns_not_python_objects_per_row(tmp_path):
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     store = OutputStore(str(tmp_path))
     rows = [{"doc_id": f"d{i}", "source": f"/in/{i}.pdf", "task": t, "output": "x", "prompt_tokens": 3,

@@ -133,7 +133,7 @@ def test_row_fields_validity():
 
 
 def test_committed_parquet_loads_typed_in_pandas(tmp_path):
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
     from dlbatch.prompts.structured import result_fields, row_fields
 
     spec = _spec([{"name": "j", "prompt": "{{ text }}", "output": {"json_schema": SCHEMA}},
@@ -162,7 +162,7 @@ def test_committed_parquet_loads_typed_in_pandas(tmp_path):
 
 
 def test_task_error_counts_as_the_tasks_outcome(tmp_path):
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     store = OutputStore(str(tmp_path / "out"))
     store.commit_results([{"doc_id": "d", "source": "s", "task": "a", "output": "x"}], False)
@@ -306,7 +306,7 @@ def test_bench_structured_smoke(tmp_path):
 def test_tasks_fail_alone_in_a_job(ray_local, sample_model, tmp_path):
     """A task whose prompt cannot render and a task whose grammar cannot compile become
     error rows naming the task; the document's other task commits; a rerun is a no-op."""
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
     from dlbatch.driver.runner import JobRunner
 
     out = str(tmp_path / "out")

@@ -144,7 +144,7 @@ def test_transfer_within_one_loopback_scope_still_works(live):
 # ------------------------------------------------------------------ placement of the job's workers
 
 def _pools(workers, overrides=()):
-    from dlbatch.driver.pools import WorkerPools
+    from dlbatch.workers.pools import WorkerPools
     from dlbatch.jobspec import load_job
 
     p = WorkerPools(load_job("jobs/papers_jsonl.yaml", ["cluster.kv_transport=dlslime", *overrides]))
@@ -162,7 +162,7 @@ def test_one_node_reason():
 def test_dlslime_pools_across_nodes_fail_at_start_without_opt_in(monkeypatch):
     import ray
 
-    from dlbatch.driver.pools import JobFailed
+    from dlbatch.workers.pools import JobFailed
 
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
     split = {"prefill": [FakeWorker("aaaa")], "decode": [FakeWorker("bbbb")]}
@@ -184,8 +184,9 @@ def test_cluster_spec_opt_in_defaults_off():
 @pytest.mark.parametrize("opt_in", [False, True])
 def test_workers_get_the_jobs_opt_in_not_the_drivers_env(monkeypatch, opt_in):
     """The driver's own DLBATCH_DLSLIME_ALLOW_NETWORK never reaches the workers: the job decides."""
-    from dlbatch.driver import pools as pools_mod
-    from dlbatch.driver import session, workers
+    from dlbatch.workers import pools as pools_mod
+    from dlbatch.workers import session
+    from dlbatch.workers import actors as workers
     from dlbatch.engine import loader
     from dlbatch.report.timeline import StartupClock
 

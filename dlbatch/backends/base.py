@@ -1,4 +1,4 @@
-"""The engine-backend interface: what a worker (dlbatch/driver/workers.py) asks of the engine
+"""The engine-backend interface: what a worker (dlbatch/workers/actors.py) asks of the engine
 it owns, whichever engine that is.
 
 A backend is driven by one thread (the worker's `EngineLoop`):

@@ -170,7 +170,7 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
 def run_job(job: str, overrides: list[str]) -> tuple[dict, dict]:
     """Run a job with `--set`-style overrides through `JobRunner` (fresh output);
     -> (report, {(doc_id, task): output text})."""
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
     from dlbatch.jobspec import load_job
     from dlbatch.driver.runner import JobRunner
 
@@ -249,7 +249,7 @@ def start_bench_ray(chips: dict[str, int], attempts: int = 2) -> bool:
     start-up can time out. Returns True when we started it (shut it down after)."""
     import ray
 
-    from dlbatch.driver.session import start_ray
+    from dlbatch.workers.session import start_ray
 
     if ray.is_initialized():
         return False

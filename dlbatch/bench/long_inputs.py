@@ -35,7 +35,7 @@ def long_papers(max_model_len: int, n: int) -> list[str]:
 
 
 def _rows(out: str) -> list[dict]:
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     return OutputStore(out).results().to_pylist()
 

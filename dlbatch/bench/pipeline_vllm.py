@@ -45,7 +45,7 @@ def _tasks_for_peer(spec) -> list[dict]:
 
 def _run_ours(job: str, sets: list[str], out: str, log_path: str) -> dict:
     """`dlbatch run` in a fresh process (its own local Ray); -> wall, report, rows."""
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     cmd = [sys.executable, "-m", "dlbatch.cli", "run", job, "--no-progress", "--fresh"]
     for s in [*sets, f"output.path={out}"]:

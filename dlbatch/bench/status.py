@@ -61,7 +61,7 @@ def _raw_index_read(store) -> int:
 
 
 def _build(work: str, n: int, part_docs: int, chars: int, tasks: list[str]) -> tuple[str, str, float]:
-    from dlbatch.driver.output_store import OutputStore
+    from dlbatch.output.parquet_store import OutputStore
 
     src = os.path.join(work, "docs.jsonl")
     with open(src, "w") as f:
@@ -103,8 +103,8 @@ def _resume_seconds(spec, docs: int) -> float:
 
 def run(args) -> int:
     from dlbatch.bench.common import finish_bench, machine_info
-    from dlbatch.driver.output_store import OutputStore
-    from dlbatch.driver.status import job_status
+    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.status import job_status
     from dlbatch.jobspec import load_job
 
     if args.quick:

@@ -85,7 +85,7 @@ def cmd_run(args) -> int:
     except ValueError as e:
         print(f"invalid job file: pipeline: {e}", file=sys.stderr)
         return EXIT_INVALID
-    from dlbatch.driver.lease import LeaseHeld, LeaseLost
+    from dlbatch.output.lease import LeaseHeld, LeaseLost
     from dlbatch.driver.runner import JobFailed, JobRunner
 
     try:
@@ -131,7 +131,7 @@ def cmd_status(args) -> int:
     spec = _load(args)
     if spec is None:
         return EXIT_INVALID
-    from dlbatch.driver.status import job_status
+    from dlbatch.output.status import job_status
 
     st = job_status(spec)
     if args.json:
@@ -149,8 +149,8 @@ def cmd_compact(args) -> int:
     spec = _load(args)
     if spec is None:
         return EXIT_INVALID
-    from dlbatch.driver.lease import LeaseHeld
-    from dlbatch.driver.delta_store import open_store
+    from dlbatch.output.lease import LeaseHeld
+    from dlbatch.output.delta_store import open_store
 
     store = open_store(spec.output)
     try:
@@ -180,9 +180,9 @@ def cmd_export(args) -> int:
         print(f"dlbatch export writes OpenAI batch files: job {spec.name!r} has output.format {spec.output.format}, "
               "not openai_batch", file=sys.stderr)
         return EXIT_INVALID
-    from dlbatch.driver import openai_export
-    from dlbatch.driver.delta_store import open_store
-    from dlbatch.driver.lease import LeaseHeld
+    from dlbatch.output import openai_export
+    from dlbatch.output.delta_store import open_store
+    from dlbatch.output.lease import LeaseHeld
 
     store = open_store(spec.output)
     try:

@@ -128,7 +128,7 @@ def _inputs(spec) -> list[str]:
 def _output(spec) -> None:
     import uuid
 
-    from dlbatch.driver.delta_store import open_store
+    from dlbatch.output.delta_store import open_store
 
     out = spec.output.path
     try:

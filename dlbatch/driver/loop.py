@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from dlbatch.driver.pools import MAX_RESTARTS, JobFailed
+from dlbatch.workers.pools import MAX_RESTARTS, JobFailed
 from dlbatch.prompts import sampling, structured
 
 log = logging.getLogger("dlbatch.run")
@@ -25,7 +25,7 @@ class DispatchLoop:
                  input_timeout_s: float = 600.0):
         from dlbatch.driver.commit_buffer import CommitBuffer
         from dlbatch.driver.feed import InputFeed
-        from dlbatch.driver.ray_dispatch import RayWorkers
+        from dlbatch.workers.calls import RayWorkers
         from dlbatch.prompts.map_reduce import MapReduce
 
         self.spec, self.store, self.pools, self.report, self.tally = spec, store, pools, report, tally

@@ -20,9 +20,9 @@ import logging
 import sys
 import time
 
-from dlbatch.driver import openai_export
-from dlbatch.driver.output_store import COMPACT_MIN_PARTS
-from dlbatch.driver.pools import MAX_RESTARTS, JobFailed, WorkerPools
+from dlbatch.output import openai_export
+from dlbatch.output.parquet_store import COMPACT_MIN_PARTS
+from dlbatch.workers.pools import MAX_RESTARTS, JobFailed, WorkerPools
 from dlbatch.transfer.errors import brief
 
 __all__ = ["JobFailed", "JobRunner", "MAX_RESTARTS"]
@@ -61,7 +61,7 @@ class JobRunner:
     def run(self) -> dict:
         from connectors.io_retry import retry_count
         from dlbatch.backends import check_job
-        from dlbatch.driver.delta_store import open_store
+        from dlbatch.output.delta_store import open_store
 
         spec = self.spec
         t_start = time.time()

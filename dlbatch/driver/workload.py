@@ -105,7 +105,7 @@ def observed_outputs(spec) -> list[int] | None:
     """Output token counts of a previous complete run of this job (its ``_report.json``),
     or None when there is none (or it is unreadable)."""
     try:
-        from dlbatch.driver.output_store import OutputStore
+        from dlbatch.output.parquet_store import OutputStore
 
         store = OutputStore(spec.output.path, dict(spec.output.storage_options))
         report = store.read_json("_report.json")

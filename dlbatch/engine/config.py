@@ -207,7 +207,7 @@ DEFAULT_MAX_MODEL_LEN = 8192  # the longest context an engine takes when none is
 @dataclass(frozen=True)
 class EngineConfig:
     """Every knob of one engine, with its one default. `LLM(model, config, **fields)`, the
-    job's workers (`dlbatch.driver.pools.engine_config`) and the CLI build engines from it;
+    job's workers (`dlbatch.workers.pools.engine_config`) and the CLI build engines from it;
     ``for_model`` resolves what depends on the model (``max_model_len``)."""
 
     dtype: str = "bfloat16"

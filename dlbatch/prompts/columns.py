@@ -7,7 +7,7 @@ misspelt column is one error at start-up, not a dead letter per document. Rows o
 may differ: a column found in any of the first rows counts, and a later row without it is
 that row's dead letter (the template's StrictUndefined names it).
 
-``RESULT_COLUMNS`` are the names every result row has (dlbatch/driver/output_store.py): an
+``RESULT_COLUMNS`` are the names every result row has (dlbatch/output/parquet_store.py): an
 input column kept under one of them would be ambiguous, so ``keep_columns`` refuses them.
 """
 from __future__ import annotations

@@ -81,7 +81,7 @@ class Pool:
     price_per_hour: float       # per worker
     decode_batch: int = 0       # sequences per decode/colocated worker
     # What `dlbatch run --plan` places the pool's actors on: the Ray custom resource
-    # `chip:<chip_resource>` (dlbatch.driver.session.chip_resource). Defaults to the chip name.
+    # `chip:<chip_resource>` (dlbatch.workers.session.chip_resource). Defaults to the chip name.
     chip_resource: str = ""
 
     def __post_init__(self) -> None:

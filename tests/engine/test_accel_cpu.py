@@ -80,7 +80,7 @@ def test_auto_transport_is_decided_from_the_workers():
 
 
 def test_probe_reports_a_cpu_worker():
-    from dlbatch.driver.workers import probe_device
+    from dlbatch.workers.actors import probe_device
 
     info = probe_device("cpu")
     assert info["device"] == "cpu" and info["rdt"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-log = logging.getLogger("dlbatch.driver.session")
+log = logging.getLogger("dlbatch.workers.session")
 
 
 def chip_resource(chip: str) -> str:

@@ -31,7 +31,7 @@ import logging
 import re
 import uuid
 
-log = logging.getLogger("dlbatch.driver.openai_export")
+log = logging.getLogger("dlbatch.output.openai_export")
 
 RESULTS_FILE = "results.jsonl"
 ERRORS_FILE = "errors.jsonl"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from dlbatch.engine.config import EngineConfig
 
-log = logging.getLogger("dlbatch.driver.workers")
+log = logging.getLogger("dlbatch.workers.actors")
 
 
 @dataclass(frozen=True)

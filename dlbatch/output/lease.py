@@ -39,7 +39,7 @@ import uuid
 
 from connectors.io_retry import call_with_retry
 
-log = logging.getLogger("dlbatch.driver.lease")
+log = logging.getLogger("dlbatch.output.lease")
 
 LEASE_DIR = "_lease"
 HEARTBEAT_S = 10.0

@@ -13,9 +13,9 @@ import hashlib
 import json
 import logging
 
-from dlbatch.driver.output_files import COMPACT_DIR, ERRORS_DIR, INDEX_DIR
+from dlbatch.output.files import COMPACT_DIR, ERRORS_DIR, INDEX_DIR
 
-log = logging.getLogger("dlbatch.driver.output_store")
+log = logging.getLogger("dlbatch.output.parquet_store")
 
 ERRORS_META = b"dlbatch.errors"  # footer key of a result part: the dead letters committed with it
 # parts under SMALL_ROWS rows are small; merge them when more than COMPACT_MIN_PARTS exist,
@@ -27,7 +27,7 @@ COMPACT_TARGET_BYTES = 64 << 20  # ... or of about this many Parquet bytes (a me
 
 
 class Compaction:
-    """The merges of one output store (`dlbatch.driver.output_store.OutputStore`): it reads
+    """The merges of one output store (`dlbatch.output.parquet_store.OutputStore`): it reads
     and writes through the store (its lease, index and atomic writes)."""
 
     def __init__(self, store):

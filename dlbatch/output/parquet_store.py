@@ -16,7 +16,7 @@ Layout under the output path:
     _compact/<merged part>.json    a compaction in progress (see `OutputStore.compact`)
     _errors/part-*.parquet         dead-letter rows (doc_id, source, stage, error_type, error)
     _manifest.json                 the job fingerprint (a rerun with other settings is refused)
-    _lease/<n>.json                the writer's lease (dlbatch.driver.lease)
+    _lease/<n>.json                the writer's lease (dlbatch.output.lease)
     _sources.parquet               each input's content version when last listed: a replaced input's
                                    rows are superseded (`supersede`) and the input redone
     _report.json / .html / .png    the run report
@@ -29,7 +29,7 @@ use is written next, under the same name, and `recover` writes any copy a crash 
 before a resume reads progress. A flush with dead letters only is one part under ``_errors/``.
 
 One writer per output: every change (commits, the manifest, compaction, ``--fresh``) is
-made under the output's lease (dlbatch.driver.lease) when one is attached (``self.lease``):
+made under the output's lease (dlbatch.output.lease) when one is attached (``self.lease``):
 each change first checks that this process still holds it.
 
 Exactly once through commit errors: a part's name is fixed by its rows, so retrying the same
@@ -50,12 +50,12 @@ import logging
 import time
 import uuid
 
-from dlbatch.driver.compaction import (COMPACT_MIN_PARTS, COMPACT_TARGET_BYTES, COMPACT_TARGET_ROWS,  # noqa: F401
+from dlbatch.output.compaction import (COMPACT_MIN_PARTS, COMPACT_TARGET_BYTES, COMPACT_TARGET_ROWS,  # noqa: F401
                                        ERRORS_META, SMALL_ROWS)
-from dlbatch.driver.output_files import COMPACT_DIR, ERRORS_DIR, INDEX_DIR, SOURCES_FILE, OutputFiles  # noqa: F401
+from dlbatch.output.files import COMPACT_DIR, ERRORS_DIR, INDEX_DIR, SOURCES_FILE, OutputFiles  # noqa: F401
 from dlbatch.prompts.columns import RESULT_COLUMNS  # the columns every result row has
 
-log = logging.getLogger("dlbatch.driver.output_store")
+log = logging.getLogger("dlbatch.output.parquet_store")
 
 ERROR_COLUMNS = ["doc_id", "source", "task", "stage", "error_type", "error"]  # task: None = the whole document
 INDEX_COLUMNS = ["doc_id", "source", "task", "prompt_tokens", "output_tokens"]
@@ -340,26 +340,26 @@ class OutputStore(OutputFiles):
 
     def _supersede_errors(self, keep, tag) -> None:
         """The dead-letter parts without the rows ``keep`` drops (`Compaction.rewrite_errors`)."""
-        from dlbatch.driver.compaction import Compaction
+        from dlbatch.output.compaction import Compaction
 
         Compaction(self).rewrite_errors(keep, tag)
 
     def recover_compactions(self) -> int:
         """Finish or drop every compaction a crash left (`Compaction.recover`)."""
-        from dlbatch.driver.compaction import Compaction
+        from dlbatch.output.compaction import Compaction
 
         return Compaction(self).recover()
 
     def compact(self, min_parts: int = COMPACT_MIN_PARTS, small_rows: int = SMALL_ROWS,
                 target_rows: int = COMPACT_TARGET_ROWS, target_bytes: int = COMPACT_TARGET_BYTES) -> dict:
         """Merge small parts into large ones (`Compaction.compact`)."""
-        from dlbatch.driver.compaction import Compaction
+        from dlbatch.output.compaction import Compaction
 
         return Compaction(self).compact(min_parts, small_rows, target_rows, target_bytes)
 
     def _merge(self, paths: list[str], keep=None, tag=None, base: str = "") -> str:
         """Replace ``paths`` by one part of their rows that ``keep`` keeps (`Compaction.merge`)."""
-        from dlbatch.driver.compaction import Compaction
+        from dlbatch.output.compaction import Compaction
 
         return Compaction(self).merge(paths, keep, tag, base)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 def job_status(spec) -> dict:
     """The job's counts: documents total/done/failed/pending, rows, tokens, complete."""
     from connectors import list_inputs
-    from dlbatch.driver.delta_store import open_store
+    from dlbatch.output.delta_store import open_store
 
     store = open_store(spec.output)
     tasks = {t.name for t in spec.tasks}

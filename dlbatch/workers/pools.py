@@ -4,7 +4,7 @@ them and the RDT collective group.
 `WorkerPools` owns everything the driver holds in Ray: it starts (or attaches to) Ray with
 the plan's chips declared, waits until some node provides each pool's chip resource, picks
 the KV transport (`dlbatch.transfer.choose`), creates one actor per replica (each owns one
-engine, `dlbatch.driver.workers`), waits until every worker has loaded its model, forms the
+engine, `dlbatch.workers.actors`), waits until every worker has loaded its model, forms the
 RDT group when KV moves over Ray's direct tensor transport, and tears all of it down on
 `stop`. While the job runs it tells whether a chip resource went missing, records a
 restarted worker's new process and re-forms the RDT group over the live workers.
@@ -86,8 +86,8 @@ class WorkerPools:
     # ---- start ---------------------------------------------------------------------------------
     def start(self, startup) -> None:
         """Ray up, chip resources present, transport chosen, actors created (not yet loaded)."""
-        from dlbatch.driver.session import chip_resource, start_ray
-        from dlbatch.driver.workers import WorkerSpec, make_worker_class
+        from dlbatch.workers.session import chip_resource, start_ray
+        from dlbatch.workers.actors import WorkerSpec, make_worker_class
         from dlbatch.engine.loader import model_dir
 
         spec, pools = self.spec, self.pools
@@ -157,8 +157,8 @@ class WorkerPools:
         matter. Decided before the workers exist, so a restarted worker gets the same answer."""
         import ray
 
-        from dlbatch.driver.session import chip_resource
-        from dlbatch.driver.workers import probe_device
+        from dlbatch.workers.session import chip_resource
+        from dlbatch.workers.actors import probe_device
 
         probe = ray.remote(probe_device)
         refs = [probe.options(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources={chip_resource(p.chip): 1})
@@ -306,7 +306,7 @@ class WorkerPools:
         """Workers' segments closed, actors killed, Ray shut down if we started it."""
         import ray
 
-        from dlbatch.driver.session import shutdown_ray
+        from dlbatch.workers.session import shutdown_ray
 
         self._shm_cleanup(close=True)
         for ws in self.workers.values():

@@ -5,7 +5,7 @@
 first, `_guard`), durable whole-file writes (`_write_file`: temp file, fsync, rename, the
 folder synced), the manifest and the input versions (`_sources.parquet`), and `clear`
 (``--fresh``), which deletes what a job writes and nothing else. It knows the layout's names
-(dlbatch/driver/output_store.py, the module docstring) but not what the parts hold.
+(dlbatch/output/parquet_store.py, the module docstring) but not what the parts hold.
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ class OutputFiles:
         self.storage_options = resolve_options(dict(storage_options or {}))  # ${env:NAME} read here
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.root = self.root.rstrip("/")
-        self.lease = None  # dlbatch.driver.lease.OutputLease held while this process changes the output
+        self.lease = None  # dlbatch.output.lease.OutputLease held while this process changes the output
 
     def take_lease(self, job: str, command: str = "run", stale_s: float | None = None):
         """Take the output's lease (raises LeaseHeld naming the holder); `release_lease` gives it back."""
-        from dlbatch.driver.lease import STALE_S, OutputLease
+        from dlbatch.output.lease import STALE_S, OutputLease
 
         self.lease = OutputLease(self.fs, self.root, self.url, job, command, stale_s=stale_s or STALE_S).acquire()
         return self.lease

@@ -29,7 +29,7 @@ def actor_state(actor) -> str | None:
 
 
 class RayWorkers:
-    """Actor calls for a Dispatcher over the actors of `pools` (`dlbatch.driver.pools.WorkerPools`,
+    """Actor calls for a Dispatcher over the actors of `pools` (`dlbatch.workers.pools.WorkerPools`,
     which keeps the workers' pids and the RDT group)."""
 
     def __init__(self, pools, dispatcher, items_for):

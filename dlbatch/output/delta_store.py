@@ -49,10 +49,10 @@ from __future__ import annotations
 import logging
 import time
 
-from dlbatch.driver.output_store import (ERRORS_DIR, INDEX_COLUMNS, OutputStore, _error_key, _error_table,
+from dlbatch.output.parquet_store import (ERRORS_DIR, INDEX_COLUMNS, OutputStore, _error_key, _error_table,
                                          _result_key)
 
-log = logging.getLogger("dlbatch.driver.delta_store")
+log = logging.getLogger("dlbatch.output.delta_store")
 
 PENDING_DIR = f"{ERRORS_DIR}/_pending"  # dead letters whose transaction may not have landed
 DELTA_LOG = "_delta_log"

@@ -1,0 +1,119 @@
+"""``router:``, ``batching:``, ``retries:``, ``cluster:`` — how the job runs (not what it outputs)."""
+from __future__ import annotations
+
+import re
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from dlbatch.jobspec.inputs import STRICT
+
+
+class RouterSpec(BaseModel):
+    model_config = STRICT
+
+    policy: Literal["prefix_aware", "round_robin", "least_loaded"] = "prefix_aware"
+    window: int = Field(256, ge=1)
+
+
+class BatchingSpec(BaseModel):
+    model_config = STRICT
+
+    max_batch_tokens: int = Field(8192, ge=1)
+    max_inflight_batches: int = Field(16, ge=1)
+    # a batch (its wait behind others on its worker included) not back after this long is
+    # failed and its worker restarted: one hung batch cannot stall the job
+    batch_timeout_s: float = Field(900.0, gt=0)
+
+
+class RetriesSpec(BaseModel):
+    model_config = STRICT
+
+    max_attempts: int = Field(3, ge=1)
+
+
+class PoolSpec(BaseModel):
+    model_config = STRICT
+
+    chip: str = Field(min_length=1)
+    replicas: int = Field(1, ge=1)
+    device: str = Field("cpu", pattern=r"^[a-z][a-z0-9_]*(:[0-9]+)?$")
+    num_cpus: float = Field(1.0, ge=0.0)
+    num_gpus: float = Field(0.0, ge=0.0)
+    # per worker: bytes ('8GiB', 8e9) or a fraction of the device's free memory (0.4, '40%');
+    # null: the engine's default (on CUDA: num_gpus' share of the device, see accelerators.md)
+    kv_cache_memory: Optional[Union[int, float, str]] = None
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_kv_memory(cls, value):
+        if value is not None:
+            from dlbatch.engine.config import parse_kv_memory
+
+            parse_kv_memory(value)  # raises naming the value
+        return value
+
+    @model_validator(mode="after")
+    def _check_device(self):
+        check_pool_device(self.device, self.num_gpus)
+        return self
+
+
+def check_pool_device(device: str, num_gpus: float) -> None:
+    """A CUDA pool must ask Ray for GPUs (Ray then sets each worker's CUDA_VISIBLE_DEVICES,
+    renumbering its GPUs from 0): ``cuda:N`` must index the worker's own GPUs."""
+    if not device.startswith("cuda"):
+        return
+    if num_gpus <= 0:
+        raise ValueError(f"device {device!r} needs num_gpus > 0 (Ray reserves GPUs only for pools that ask; "
+                         "e.g. num_gpus: 1, or 0.5 for two workers on one GPU)")
+    idx = device.partition(":")[2]
+    have = max(1, int(num_gpus))
+    if idx and int(idx) >= have:
+        raise ValueError(f"device {device!r} with num_gpus={num_gpus:g}: each worker sees its own GPU(s) as "
+                         f"cuda:0..cuda:{have - 1} (Ray sets CUDA_VISIBLE_DEVICES); use 'cuda'")
+
+
+_HOST_PORT_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")
+
+
+class ClusterSpec(BaseModel):
+    model_config = STRICT
+
+    address: Optional[str] = None
+    plan: Optional[str] = None
+    prefill: PoolSpec = Field(default_factory=lambda: PoolSpec(chip="fast"))
+    decode: PoolSpec = Field(default_factory=lambda: PoolSpec(chip="cheap"))
+    colocated: Optional[PoolSpec] = None
+    kv_transport: Literal["auto", "object_store", "shm", "rdt", "dlslime"] = "auto"
+    # dlslime endpoints may listen off loopback (DLBATCH_DLSLIME_IP): whoever reaches one can
+    # read and write the worker's memory (docs/transfer.md); off by default
+    dlslime_allow_network: bool = False
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: Optional[str]) -> Optional[str]:
+        if value is None or value == "auto" or value.startswith("ray://") or _HOST_PORT_RE.match(value):
+            return value
+        raise ValueError(
+            f"{value!r} is not a Ray address; use null (embedded local Ray), 'auto', "
+            "'ray://host:port' or 'host:port'"
+        )
+
+    @field_validator("plan")
+    @classmethod
+    def _check_plan(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not value.strip():
+            raise ValueError("must be null, 'auto' or the path to a plan JSON, got ''")
+        return value
+
+    @property
+    def mode(self) -> str:
+        """``"colocated"`` when ``colocated`` is set (it replaces prefill/decode), else ``"disaggregated"``."""
+        return "colocated" if self.colocated is not None else "disaggregated"
+
+    def pools(self) -> dict[str, PoolSpec]:
+        """The worker pools this cluster section asks for, by role."""
+        if self.colocated is not None:
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}

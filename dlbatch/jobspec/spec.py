@@ -1,0 +1,128 @@
+"""`JobSpec`: the whole job file, its sections (one module each) and the checks that span them."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
+
+from dlbatch.jobspec.cluster import BatchingSpec, ClusterSpec, RetriesSpec, RouterSpec
+from dlbatch.jobspec.inputs import STRICT, InputSpec
+from dlbatch.jobspec.model import ModelSpec
+from dlbatch.jobspec.outputs import OutputSpec
+from dlbatch.jobspec.tasks import (OPENAI_KEEP, ChunkingSpec, LongInputPolicy, SamplingSpec, TaskSpec, _default_tasks,
+                                   openai_batch_tasks)
+
+
+class JobSpec(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
+    pipeline: str = Field(pattern=r"^[a-z_][a-z0-9_]*$")
+    input: InputSpec = Field(default_factory=InputSpec)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    tasks: list[TaskSpec] = Field(default_factory=_default_tasks, min_length=1)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    long_inputs: LongInputPolicy = "truncate"
+    chunking: ChunkingSpec = Field(default_factory=ChunkingSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    retries: RetriesSpec = Field(default_factory=RetriesSpec)
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+
+    _source: str = PrivateAttr(default="<dict>")
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_task_names(cls, tasks: list[TaskSpec]) -> list[TaskSpec]:
+        seen: set[str] = set()
+        for task in tasks:
+            if task.name in seen:
+                raise ValueError(f"duplicate task name {task.name!r}; task names must be unique")
+            seen.add(task.name)
+        return tasks
+
+    @model_validator(mode="before")
+    @classmethod
+    def _implicit_tasks(cls, data: Any) -> Any:
+        """An openai_batch job leaves ``tasks`` out: its lines are the requests."""
+        if isinstance(data, Mapping) and "tasks" not in data:
+            inp = data.get("input")
+            fmt = inp.get("format") if isinstance(inp, Mapping) else getattr(inp, "format", None)
+            if fmt == "openai_batch":
+                data = {**data, "tasks": openai_batch_tasks()}
+        return data
+
+    @model_validator(mode="after")
+    def _check_openai_batch(self) -> "JobSpec":
+        batch_in, batch_out = self.input.format == "openai_batch", self.output.format == "openai_batch"
+        if batch_out and not batch_in:
+            raise ValueError(f"output.format openai_batch writes the responses to OpenAI batch request lines: it needs "
+                             f"input.format openai_batch (got {self.input.format})")
+        if not batch_in:
+            return self
+        if [t.model_dump() for t in self.tasks] != [t.model_dump() for t in openai_batch_tasks()]:
+            raise ValueError("tasks: an openai_batch input has no tasks (each line's body is its request, answered "
+                             "by one response line); leave tasks out")
+        if self.input.id_field is not None:
+            raise ValueError(f"input.id_field {self.input.id_field!r}: an openai_batch line's id is its custom_id; "
+                             "leave id_field out")
+        keep = self.output.keep_columns
+        if batch_out and keep != "all" and any(c not in keep for c in OPENAI_KEEP):
+            self.output.__dict__["keep_columns"] = list(keep) + [c for c in OPENAI_KEEP if c not in keep]
+        return self
+
+    @model_validator(mode="after")
+    def _check_columns(self) -> "JobSpec":
+        from dlbatch.prompts.templates import column_references
+
+        if self.input.format in ("pdf", "text"):
+            for i, t in enumerate(self.tasks):
+                used = sorted(column_references(t.source))
+                if used:
+                    from dlbatch.prompts.templates import TEMPLATE_VARIABLES
+
+                    raise ValueError(f"tasks.{i}.{'prompt' if t.prompt is not None else 'messages'}: "
+                                     f"task {t.name!r} uses {', '.join(map(repr, used))}, which {self.input.format} "
+                                     f"inputs do not have (variables: {', '.join(TEMPLATE_VARIABLES)}); input "
+                                     "columns exist for jsonl, parquet and hf inputs")
+            if self.output.keep_columns:
+                raise ValueError(f"output.keep_columns: {self.input.format} inputs have no columns to keep")
+        if isinstance(self.output.keep_columns, list):
+            from dlbatch.prompts.columns import RESULT_COLUMNS
+
+            clash = [c for c in self.output.keep_columns if c in RESULT_COLUMNS or c == "text"]
+            if clash:
+                raise ValueError(f"output.keep_columns: {', '.join(map(repr, clash))} is the name of a result "
+                                 "column; rename the input column")
+        return self
+
+    @model_validator(mode="after")
+    def _check_backend_pools(self) -> "JobSpec":
+        if self.model.backend == "vllm" and self.cluster.colocated is None:
+            raise ValueError(
+                "model.backend vllm runs colocated workers only: set cluster.colocated (e.g. --set "
+                "cluster.colocated.chip=fast). Prefill/decode pools need vLLM's KV connectors (NIXL, P2P NCCL), "
+                "which run on GPUs only and not on its CPU build (docs/backends.md); dlbatch's own engine "
+                "runs PD pools on any chip")
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        # settings only: the same job loaded from two places is the same job
+        if isinstance(other, JobSpec):
+            return self.model_dump() == other.model_dump()
+        return NotImplemented
+
+    __hash__ = None  # mutable, like every pydantic model
+
+    @property
+    def source(self) -> str:
+        """The file (or ``"<dict>"``) this spec was loaded from."""
+        return self._source
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain JSON-able dict; ``parse_job(spec.to_dict())`` gives an equal spec."""
+        return self.model_dump(mode="json")
+
+
+# --------------------------------------------------------------------------- model walking
