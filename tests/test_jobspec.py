@@ -476,3 +476,51 @@ def test_long_input_policies_per_job_and_task(tmp_path, monkeypatch):
         parse_job(job(chunking={"reduce_prompt": "{{ text }}"}))
     with pytest.raises(JobSpecError, match="'cut' is not one of truncate, middle, skip, chunk"):
         parse_job(job(tasks=[{"name": "a", "prompt": "{{ text }}", "long_inputs": "cut"}]))
+
+
+def test_set_creates_an_optional_sub_mapping_the_file_leaves_out():
+    """`--set tasks.N.sampling.n=3` on a task without its own `sampling:` mapping (and on one
+    with it): the override makes the mapping, as for any other optional section. In a fresh
+    interpreter: a schema class used before it is defined resolves only once pydantic has
+    validated a job, which earlier tests in this process would have done."""
+    import subprocess
+    import sys
+
+    code = ("from dlbatch.jobspec import load_job\n"
+            "s = load_job('jobs/synthetic_qa.yaml', ['tasks.0.sampling.n=3', 'tasks.1.sampling.n=2'])\n"
+            "print(s.tasks[0].sampling.n, s.tasks[0].sampling.temperature, s.tasks[1].sampling.n,"
+            " s.tasks[1].sampling.temperature)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["3", "0.8", "2", "None"]  # the file's keys stay beside the override
+
+
+def test_every_schema_field_annotation_is_resolved_on_import():
+    """`--set` and the error messages walk the schema by its annotations: a forward reference
+    left unresolved (a section class defined after its user) hides every key below it.
+    Checked in a fresh interpreter, before any job is validated."""
+    import subprocess
+    import sys
+
+    code = """
+import typing
+from pydantic import BaseModel
+from dlbatch.jobspec import JobSpec
+seen, todo, bad = set(), [JobSpec], []
+while todo:
+    model = todo.pop()
+    if model in seen:
+        continue
+    seen.add(model)
+    for name, f in model.model_fields.items():
+        if isinstance(f.annotation, (str, typing.ForwardRef)):
+            bad.append(f"{model.__name__}.{name}: {f.annotation!r}")
+        for arg in (f.annotation, *typing.get_args(f.annotation)):
+            for a in (arg, *typing.get_args(arg)):
+                if isinstance(a, type) and issubclass(a, BaseModel):
+                    todo.append(a)
+print(bad)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -43,6 +43,58 @@ class TaskOutputSpec(BaseModel):
         return self
 
 
+EXTRAS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "logprobs")
+
+
+class SamplingSpec(BaseModel):
+    model_config = STRICT
+
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0)
+    stop: list[str] = Field(default_factory=list)  # generation ends at the first of these (not in the output)
+    # the extras (dlbatch/backends/base.py): null is off, and a row is what it was without them
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    n: Optional[int] = Field(None, ge=1, le=128)  # samples per prompt: the row's `samples` column
+    logprobs: Optional[int] = Field(None, ge=0, le=20)  # top-k alternatives per token: the `logprobs` column
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: list[str]) -> list[str]:
+        bad = [x for x in v if not x]
+        if bad:
+            raise ValueError(f"stop strings must be non-empty, got {v!r}")
+        return v
+
+
+class TaskSamplingSpec(BaseModel):
+    """A task's own sampling: each field set here replaces the job's ``sampling`` for it."""
+    model_config = STRICT
+
+    temperature: Optional[float] = Field(None, ge=0.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=0)
+    seed: Optional[int] = Field(None, ge=0)
+    stop: Optional[list[str]] = None
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    n: Optional[int] = Field(None, ge=1, le=128)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        if v is not None and any(not x for x in v):
+            raise ValueError(f"stop strings must be non-empty, got {v!r}")
+        return v
+
+
 LongInputPolicy = Literal["truncate", "middle", "skip", "chunk"]
 
 
@@ -124,55 +176,3 @@ def _longdoc_defaults() -> tuple[str, str]:
     from dlbatch.prompts.longdoc import DEFAULT_MAP_PROMPT, DEFAULT_REDUCE_PROMPT
 
     return DEFAULT_MAP_PROMPT, DEFAULT_REDUCE_PROMPT
-
-
-EXTRAS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "logprobs")
-
-
-class SamplingSpec(BaseModel):
-    model_config = STRICT
-
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int = Field(0, ge=0)
-    stop: list[str] = Field(default_factory=list)  # generation ends at the first of these (not in the output)
-    # the extras (dlbatch/backends/base.py): null is off, and a row is what it was without them
-    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: Optional[float] = Field(None, gt=0.0)
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    n: Optional[int] = Field(None, ge=1, le=128)  # samples per prompt: the row's `samples` column
-    logprobs: Optional[int] = Field(None, ge=0, le=20)  # top-k alternatives per token: the `logprobs` column
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, v: list[str]) -> list[str]:
-        bad = [x for x in v if not x]
-        if bad:
-            raise ValueError(f"stop strings must be non-empty, got {v!r}")
-        return v
-
-
-class TaskSamplingSpec(BaseModel):
-    """A task's own sampling: each field set here replaces the job's ``sampling`` for it."""
-    model_config = STRICT
-
-    temperature: Optional[float] = Field(None, ge=0.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=0)
-    seed: Optional[int] = Field(None, ge=0)
-    stop: Optional[list[str]] = None
-    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: Optional[float] = Field(None, gt=0.0)
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    n: Optional[int] = Field(None, ge=1, le=128)
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, v):
-        if v is not None and any(not x for x in v):
-            raise ValueError(f"stop strings must be non-empty, got {v!r}")
-        return v
