@@ -94,6 +94,26 @@ def test_tty_uses_a_bar_and_logs_nothing(caplog):
     assert "4/4" in text and "tok/s" in text and "ETA" in text
 
 
+def test_the_bar_shows_one_rate_and_keeps_a_width_without_a_window_size(monkeypatch):
+    """tqdm's own rate ("43.48s/doc") beside ours ("0.00 doc/s") were two conflicting figures;
+    a terminal that reports 0 columns made the bar vanish."""
+    import os
+    import shutil
+
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=(80, 24): os.terminal_size((0, 0)))
+    clock = Clock()
+    out = io.StringIO()
+    p = Progress("papers", total_docs=4, tty=True, clock=clock, stream=out)
+    for i in range(1, 4):
+        clock.t += 40
+        p.update(docs_done=i, tokens=1000 * i, remaining_tokens=1000 * (4 - i))
+    p.close()
+    last = [x for x in out.getvalue().replace("\r", "\n").splitlines() if x.strip()][-1]
+    assert "3/4 docs" in last and "|" in last, last  # the bar is drawn
+    assert last.count("doc/s") == 1 and "s/doc" not in last and "it/s" not in last, last
+    assert "0.03 doc/s" in last and "ETA" in last, last
+
+
 def test_remaining_tokens_counts_open_requests_and_extrapolates_unseen_documents():
     # two open requests exactly, plus 3 documents not tokenized yet at 1000 tokens each
     assert remaining_tokens([(700, 128), (700, 32)], unseen_docs=3, tokens_per_doc=1000.0) == 700 + 128 + 700 + 32 + 3000

@@ -10,7 +10,10 @@ there is no interval to measure yet, so no rate. The ETA divides
 the tokens still to process -- the remaining documents' prompt tokens, known at tokenize
 time, plus their max_tokens -- by the token rate; before any token is done, or while the
 rate is zero, there is no ETA. Output is a tqdm bar on a terminal, else one log line every
-``log_every_s`` seconds carrying the same rate and ETA.
+``log_every_s`` seconds carrying the same rate and ETA. The bar shows our rates only (tqdm's
+own per-iteration rate would be a second, conflicting figure: it counts from the bar's
+start, pipeline fill included) and keeps a width where the terminal reports none (a pty
+without a window size), so it never disappears.
 
 The clock is injectable (``clock=``) so that tests drive time by hand.
 """
@@ -32,6 +35,18 @@ def format_eta(seconds: float | None) -> str:
     h, rem = divmod(s, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+# tqdm's bar with our postfix as the only rate (no {rate_fmt}, no {remaining}: ours are windowed)
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} docs [{elapsed}{postfix}]"
+BAR_FORMAT_NO_TOTAL = "{desc}: {n_fmt} docs [{elapsed}{postfix}]"
+
+
+def _columns() -> int:
+    """The terminal's width, 100 where it reports none (0 columns: a pty without a window size)."""
+    import shutil
+
+    return shutil.get_terminal_size(fallback=(100, 24)).columns or 100
 
 
 class Progress:
@@ -57,7 +72,9 @@ class Progress:
         if self.tty:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_docs, initial=initial_docs, unit="doc", desc=name, file=self.stream)
+            self.bar = tqdm(total=total_docs, initial=initial_docs, unit="doc", desc=name, file=self.stream,
+                            bar_format=BAR_FORMAT if total_docs else BAR_FORMAT_NO_TOTAL, ncols=_columns(),
+                            dynamic_ncols=False)
 
     # ------------------------------------------------------------------------------------
     def update(self, docs_done: int, tokens: int, remaining_tokens: int | None = None,
