@@ -6,6 +6,7 @@ import sys
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 EXIT_BUSY = 3  # another process holds the output's lease: nothing was done
+EXIT_INTERRUPTED = 130  # Ctrl-C: what was complete is committed
 
 
 def register(sub) -> None:
@@ -96,6 +97,10 @@ def cmd_run(args) -> int:
         if args.compact_parts is not None:
             runner.compact_min_parts = args.compact_parts
         report = runner.run()
+    except KeyboardInterrupt:
+        print(f"interrupted: {_committed(spec)}; rerun the same command to resume (nothing committed is redone)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     except LeaseHeld as e:
         print(f"job not started: {e}", file=sys.stderr)
         return EXIT_BUSY
@@ -125,6 +130,19 @@ def cmd_run(args) -> int:
           f"(see {spec.output.path}/_errors/), {report['rows_written']} rows written this run, "
           f"{report['tokens_per_s']:.0f} tokens/s, {report['wall_s']:.1f} s; report: {spec.output.path}/_report.html")
     return EXIT_OK
+
+
+def _committed(spec) -> str:
+    """What the output holds after an interrupted run, read from it (the run committed every
+    complete document before it stopped)."""
+    try:
+        from dlbatch.output.delta_store import open_store
+
+        prog = open_store(spec.output).progress(tasks={t.name for t in spec.tasks})
+    except Exception as e:  # the message must not fail
+        return f"committed output under {spec.output.path} is intact (could not count it: {type(e).__name__})"
+    return (f"{prog['n_done']} documents committed in {spec.output.path}"
+            + (f", {prog['n_failed']} dead-lettered" if prog["n_failed"] else ""))
 
 
 def cmd_status(args) -> int:
