@@ -355,57 +355,7 @@ def solve(chips: dict[str, ChipProfile], available: dict[str, int], model: Model
             raise SolverError(f"budget ${budget_per_hour:,.2f}/h buys no worker: the cheapest usable chip "
                               f"({prob.vars[int(prob.price.argmin())][0]}) costs ${cheapest:,.2f}/h")
 
-    # stage 1: max throughput within the budget
-    x = prob.run(-prob.T_coef, extra_budget)
-    if x is None or prob.evaluate(x[:prob.nv])["T"] <= 0:
-        raise SolverError(f"no plan produces any throughput with available={available}, "
-                          f"budget_per_hour={budget_per_hour}, roles={roles}")
-    T_max = float(prob.T_coef @ x)
-    n_docs = workload.n_docs
-    t_min = 0.0
-    if objective == "deadline":
-        t_min = n_docs / (3600.0 * deadline_hours)
-        if T_max < t_min * (1 - 1e-9):
-            best_h = n_docs / T_max / 3600.0
-            raise DeadlineError(
-                f"deadline {deadline_hours:g} h is unreachable: {n_docs:,} documents need "
-                f"{t_min:,.3f} docs/s, but the fastest plan (budget "
-                f"{'unlimited' if budget_per_hour is None else f'${budget_per_hour:,.2f}/h'}, "
-                f"available={available}) reaches {T_max:,.3f} docs/s, i.e. {best_h:,.2f} h at best",
-                best_hours=best_h)
-
-    scale = max(float(prob.price.max()), 1e-9)
-    tie = 1e-5 * max(float(prob.price[prob.price > 0].min()) if (prob.price > 0).any() else 1.0, 1e-9)
-    if objective == "throughput":
-        x = prob.run(prob.cost_coef + tie * prob.pd_count,
-                     extra_budget + [(prob.T_coef, T_max * (1 - 1e-7), np.inf)])
-    else:
-        extra = list(extra_budget)
-        if t_min > 0:
-            extra.append((prob.T_coef, t_min, np.inf))
-        # Dinkelbach on $/doc, starting from the throughput plan
-        x = prob.run(prob.cost_coef + tie * prob.pd_count, extra + [(prob.T_coef, T_max * (1 - 1e-7), np.inf)])
-        ev = prob.evaluate(x[:prob.nv])
-        lam = ev["cost"] / ev["T"]
-        for _ in range(50):
-            y = prob.run(prob.cost_coef - lam * prob.T_coef, extra)
-            if y is None:
-                break
-            val = float(prob.cost_coef @ y - lam * (prob.T_coef @ y))
-            if val >= -1e-9 * scale:
-                break
-            ev_y = prob.evaluate(y[:prob.nv])
-            if ev_y["T"] <= 0 or ev_y["cost"] / ev_y["T"] >= lam * (1 - 1e-12):
-                break
-            lam = ev_y["cost"] / ev_y["T"]
-        # fastest plan at the optimal $/doc, then cheapest at that speed
-        ratio_row = (prob.cost_coef - lam * (1 + 1e-6) * prob.T_coef, -np.inf, 0.0)
-        y = prob.run(-prob.T_coef, extra + [ratio_row])
-        if y is not None:
-            T_best = float(prob.T_coef @ y)
-            z = prob.run(prob.cost_coef + tie * prob.pd_count,
-                         extra + [ratio_row, (prob.T_coef, T_best * (1 - 1e-7), np.inf)])
-            x = z if z is not None else y
+    x = _optimise(prob, objective, extra_budget, available, budget_per_hour, deadline_hours, roles)
     n = x[:prob.nv]
     ev = prob.evaluate(n)
     plan = _make_plan(prob, ev, objective, budget_per_hour, deadline_hours, roles)
@@ -416,6 +366,73 @@ def solve(chips: dict[str, ChipProfile], available: dict[str, int], model: Model
         _compare_modes(plan, chips, available, model, workload, objective, budget_per_hour, deadline_hours,
                        max_batch, chunk_tokens)
     return plan
+
+
+def _optimise(prob: _Problem, objective: str, extra_budget: list, available: dict, budget_per_hour,
+              deadline_hours, roles) -> np.ndarray:
+    """The MILP in stages: (1) the highest throughput within the budget; then for
+    ``throughput`` the cheapest plan at that throughput, else (``cost``, ``deadline``) the
+    lowest $/doc (Dinkelbach), then the fastest plan at that $/doc and the cheapest at that
+    speed. A deadline the fastest plan misses is a DeadlineError naming the best it reaches."""
+    x = prob.run(-prob.T_coef, extra_budget)
+    if x is None or prob.evaluate(x[:prob.nv])["T"] <= 0:
+        raise SolverError(f"no plan produces any throughput with available={available}, "
+                          f"budget_per_hour={budget_per_hour}, roles={roles}")
+    T_max = float(prob.T_coef @ x)
+    t_min = _deadline_rate(prob, T_max, objective, deadline_hours, budget_per_hour, available)
+    tie = 1e-5 * max(float(prob.price[prob.price > 0].min()) if (prob.price > 0).any() else 1.0, 1e-9)
+    at_best = (prob.T_coef, T_max * (1 - 1e-7), np.inf)
+    if objective == "throughput":
+        return prob.run(prob.cost_coef + tie * prob.pd_count, extra_budget + [at_best])
+    extra = list(extra_budget) + ([(prob.T_coef, t_min, np.inf)] if t_min > 0 else [])
+    x = prob.run(prob.cost_coef + tie * prob.pd_count, extra + [at_best])
+    lam = _best_cost_ratio(prob, x, extra)
+    # fastest plan at the optimal $/doc, then cheapest at that speed
+    ratio_row = (prob.cost_coef - lam * (1 + 1e-6) * prob.T_coef, -np.inf, 0.0)
+    y = prob.run(-prob.T_coef, extra + [ratio_row])
+    if y is None:
+        return x
+    T_best = float(prob.T_coef @ y)
+    z = prob.run(prob.cost_coef + tie * prob.pd_count, extra + [ratio_row, (prob.T_coef, T_best * (1 - 1e-7), np.inf)])
+    return z if z is not None else y
+
+
+def _deadline_rate(prob: _Problem, T_max: float, objective: str, deadline_hours, budget_per_hour,
+                   available: dict) -> float:
+    """docs/s a deadline needs (0 without one); raises DeadlineError when ``T_max`` is short of it."""
+    if objective != "deadline":
+        return 0.0
+    n_docs = prob.workload.n_docs
+    t_min = n_docs / (3600.0 * deadline_hours)
+    if T_max < t_min * (1 - 1e-9):
+        best_h = n_docs / T_max / 3600.0
+        raise DeadlineError(
+            f"deadline {deadline_hours:g} h is unreachable: {n_docs:,} documents need "
+            f"{t_min:,.3f} docs/s, but the fastest plan (budget "
+            f"{'unlimited' if budget_per_hour is None else f'${budget_per_hour:,.2f}/h'}, "
+            f"available={available}) reaches {T_max:,.3f} docs/s, i.e. {best_h:,.2f} h at best",
+            best_hours=best_h)
+    return t_min
+
+
+def _best_cost_ratio(prob: _Problem, x: np.ndarray, extra: list) -> float:
+    """The lowest $/doc (cost per hour over docs/s) any plan within ``extra`` reaches:
+    Dinkelbach's iteration from the plan ``x``."""
+    scale = max(float(prob.price.max()), 1e-9)
+    ev = prob.evaluate(x[:prob.nv])
+    lam = ev["cost"] / ev["T"]
+    for _ in range(50):
+        y = prob.run(prob.cost_coef - lam * prob.T_coef, extra)
+        if y is None:
+            break
+        val = float(prob.cost_coef @ y - lam * (prob.T_coef @ y))
+        if val >= -1e-9 * scale:
+            break
+        ev_y = prob.evaluate(y[:prob.nv])
+        if ev_y["T"] <= 0 or ev_y["cost"] / ev_y["T"] >= lam * (1 - 1e-12):
+            break
+        lam = ev_y["cost"] / ev_y["T"]
+    return lam
 
 
 def _mode(pools: list[Pool]) -> str:
