@@ -72,43 +72,84 @@ class InputFeed:
     """Request rows from the prefetcher into the dispatcher. Knows how long the driver has
     been idle (nothing in flight, no document open) waiting for the input pipeline.
 
-    Memory: a block from the stream (one input file's documents, when they are few files) is
-    held as its Arrow table and handed over ``SLICE_ROWS`` rows at a time, cut at a document
-    boundary, while the dispatcher has room; only what is handed over becomes Python rows. So
-    the driver's Python objects grow with what is in flight, not with the input's size, and a
-    document's rows always reach the dispatcher together."""
+    Order: with a `dlbatch.router.order.PrefixOrder` (``order``), blocks from the stream are
+    held in it (up to its byte cap) and documents leave in prefix order, so requests that
+    share a prompt prefix anywhere in what is held reach the router together; without one,
+    in input order. Either way rows leave only while the dispatcher has room, a document's
+    rows together.
+
+    Memory: without an order, a block from the stream (one input file's documents, when they
+    are few files) is held as its Arrow table and handed over ``SLICE_ROWS`` rows at a time,
+    cut at a document boundary; with one, the order's cap bounds what is held. Only what is
+    handed over becomes Python rows, so the driver's Python objects grow with what is in
+    flight, not with the input's size."""
 
     SLICE_ROWS = 512
 
-    def __init__(self, prefetch: BatchPrefetcher, prepare=lambda row: row):
+    def __init__(self, prefetch: BatchPrefetcher, prepare=lambda row: row, order=None):
         self.prefetch = prefetch
         self.prepare = prepare  # an input row -> the request row the dispatcher takes
-        self.exhausted = False
+        self.order = order  # a PrefixOrder, or None: input order
+        self.ended = False  # the stream has no more blocks
         self.idle_since: float | None = None
         self.docs_seen = self.tokens_seen = 0  # documents tokenized this run and their tokens: the ETA of the others
         self._last_doc = None
-        self._block = None  # the rest of the current block (Arrow), not yet handed over
+        self._block = None  # input order: the rest of the current block (Arrow), not yet handed over
+
+    @property
+    def exhausted(self) -> bool:
+        """Every row of the stream has been handed to the dispatcher."""
+        return self.ended and self._block is None and not (self.order is not None and len(self.order))
 
     def pull(self, d, room, idle: bool) -> None:
         """Add rows while `room()`; wait a little for input only when nothing else can progress."""
         now = time.time()
         self.idle_since = (self.idle_since or now) if idle and not self.exhausted else None
-        while not self.exhausted and room():
-            if self._block is None:
-                try:
-                    self._block = self.prefetch.get(timeout=0.2 if idle else 0.0)
-                except StopIteration:
-                    self.exhausted = True
-                    return
-                if self._block is None:
-                    return
-            self.idle_since, idle = None, False
-            batch = self._next_slice()
+        self._fill(idle)
+        while room():
+            batch = self._next_rows()
+            if batch is None:
+                return
+            self.idle_since = None
             for r in batch.to_pylist():
                 if d.add_row(self.prepare(r)) and r.get("prompt_ids"):
                     self.docs_seen += r["doc_id"] != self._last_doc  # a document's rows come together
                     self._last_doc = r["doc_id"]
                     self.tokens_seen += len(r["prompt_ids"]) + int(r["max_tokens"])
+
+    def _get(self, timeout: float):
+        """The next block of the stream, None when none is ready; marks the end of the stream."""
+        if self.ended:
+            return None
+        try:
+            return self.prefetch.get(timeout=timeout)
+        except StopIteration:
+            self.ended = True
+            return None
+
+    def _fill(self, idle: bool) -> None:
+        """Blocks from the stream: into the order while it has room (a short wait only when
+        the driver is idle and nothing is held), or the next block in input order."""
+        if self.order is None:
+            if self._block is None:
+                self._block = self._get(0.2 if idle else 0.0)
+            return
+        wait = 0.2 if idle and not len(self.order) else 0.0
+        while not self.order.full():
+            block = self._get(wait)
+            if block is None:
+                return
+            self.order.add(block)
+            wait = 0.0
+
+    def _next_rows(self):
+        if self.order is not None:
+            return self.order.take(self.SLICE_ROWS)
+        if self._block is None:
+            self._fill(False)
+            if self._block is None:
+                return None
+        return self._next_slice()
 
     def _next_slice(self):
         """The next SLICE_ROWS rows of the block, and the rest of the last document's rows."""

@@ -37,7 +37,7 @@ class DispatchLoop:
         self.map_reduce = self._make_map_reduce()
         self.d = self._dispatcher(pools.workers)
         self.calls = RayWorkers(pools, self.d, self._items_for)
-        self.feed = InputFeed(batches, prepare=MapReduce.request_row)
+        self.feed = InputFeed(batches, prepare=MapReduce.request_row, order=self._order())
         self.buf = CommitBuffer(flush_docs, flush_seconds)
         self._last_check = 0.0
         self._missing_since: float | None = None
@@ -189,6 +189,16 @@ class DispatchLoop:
                           inflight_cap=spec.batching.max_inflight_batches * max(len(ws) for ws in workers.values()),
                           request_key=key, is_fatal=lambda err: str(err or "").startswith("ConstraintError"),
                           more_requests=self.map_reduce.more_requests if self.map_reduce else None)
+
+    def _order(self):
+        """Documents in prefix order across what the feed holds (``router.order: prefix``), or
+        in input order (``input``): `dlbatch.router.order`."""
+        if self.spec.router.order != "prefix":
+            return None
+        from dlbatch.router import RouterConfig
+        from dlbatch.router.order import PrefixOrder
+
+        return PrefixOrder(block_size=RouterConfig().block_size)
 
     def _items_for(self, rows: list[dict]) -> list[dict]:
         """Request rows -> the items a worker takes. The map and reduce requests of a chunked

@@ -14,6 +14,9 @@ class RouterSpec(BaseModel):
 
     policy: Literal["prefix_aware", "round_robin", "least_loaded"] = "prefix_aware"
     window: int = Field(256, ge=1)
+    # prefix: documents reach the router grouped by shared prompt prefix across all the driver
+    # holds of the input (dlbatch/router/order.py); input: in input order
+    order: Literal["prefix", "input"] = "prefix"
 
 
 class BatchingSpec(BaseModel):
