@@ -38,8 +38,10 @@ def base_task(task: str) -> str:
 
 class MapReduce:
     def __init__(self, spec, tokenizer):
+        from dlbatch.prompts.encoder import PromptEncoder
+
         self.spec = spec
-        self.tok = tokenizer
+        self.encoder = PromptEncoder.for_job(spec, tokenizer)  # the prompt stage's, rebuilt from the same job
         self.plans: dict = {}  # doc id -> ChunkPlan, while the document is open
         self.fed: dict[str, set] = {}  # doc id -> request names already given to its plan
         self.index = {t.name: k for k, t in enumerate(spec.tasks)}
@@ -62,7 +64,8 @@ class MapReduce:
             tasks = sorted({base_task(t) for t, r in doc.rows.items() if is_chunk_row(r)}, key=self.index.get)
             ctx = {"doc_id": doc.doc_id, "title": first.get("title") or "", "source": first.get("source"),
                    "pages": first.get("pages") or 0, "text": ""}
-            plan = ChunkPlan.from_state(state, ctx, [self.spec.tasks[self.index[t]] for t in tasks], self.tok)
+            plan = ChunkPlan.from_state(state, ctx, [self.spec.tasks[self.index[t]] for t in tasks],
+                                      self.encoder)
             self.plans[doc.doc_id] = plan
             self.fed[doc.doc_id] = set()
         return plan
