@@ -149,6 +149,7 @@ def _output(spec) -> None:
 def _prompts(spec, files: list[str], n_docs: int, show_chars: int) -> None:
     from connectors.parse import parse_file
     from dlbatch.prompts.stage import PromptStage
+    from dlbatch.records import base_task
 
     inp = spec.input
     stage = PromptStage(spec)
@@ -176,7 +177,7 @@ def _prompts(spec, files: list[str], n_docs: int, show_chars: int) -> None:
         r = by_task.get(t.name)
         if r is None:
             continue
-        samples = sum(1 for k in by_task if k.split("~", 1)[0] == t.name)
+        samples = sum(1 for k in by_task if base_task(k) == t.name)
         text = stage.tok.decode(list(r["prompt_ids"]))
         shown = text if len(text) <= 2 * n else f"{text[:n]} [...] {text[-n:]}"
         print(f"  task {t.name}: {len(r['prompt_ids']):,} prompt tokens, max_tokens {r['max_tokens']}"

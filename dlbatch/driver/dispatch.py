@@ -41,15 +41,11 @@ from typing import Callable, Hashable, Iterable
 
 from connectors.ids import content_id
 from dlbatch.driver.retry_policy import RetryPolicy
-from dlbatch.prompts.sampling import SAMPLE_SEP
+from dlbatch.records import RequestKey, request_id, result_row
 
 log = logging.getLogger("dlbatch.run")
 
 WorkerKey = tuple  # (role, index)
-
-
-def request_id(row: dict) -> str:
-    return f"{row['doc_id']}::{row['task']}"
 
 
 @dataclass
@@ -92,26 +88,20 @@ class Document:
         """One result row per task; a task that failed alone (its result holds "error") has
         its error row already and no result row. ``extra(task, result)``: more fields."""
         out = []
-        samples: dict[str, list] = {}  # task -> results of its samples 1..n-1 (dlbatch/prompts/sampling.py)
+        samples: dict[str, list] = {}  # request name -> results of its samples 1..n-1 (dlbatch/prompts/sampling.py)
         for t, res in self.results.items():
-            if SAMPLE_SEP in t and "error" not in res:
-                samples.setdefault(t.split(SAMPLE_SEP, 1)[0], []).append((int(t.split(SAMPLE_SEP, 1)[1]), res))
+            key = RequestKey.parse(self.doc_id, t)
+            if key.sample and "error" not in res:
+                samples.setdefault(key.with_sample(0).name, []).append((key.sample, res))
         for r in self.rows.values():
-            if SAMPLE_SEP in r["task"]:
+            if RequestKey.of(r).sample:
                 continue
             res = self.results[r["task"]]
             if "error" in res:
                 continue
             if r["task"] in samples:  # n samples: the row is sample 0's, every one in `samples`
                 res = {**res, "samples": [res] + [x for _, x in sorted(samples[r["task"]], key=lambda p: p[0])]}
-            out.append({"doc_id": self.doc_id, "source": r["source"], "task": r["task"],
-                        "output": res.get("output", ""), "prompt_tokens": len(r["prompt_ids"]),
-                        "output_tokens": res.get("output_tokens", 0), "finish_reason": res.get("finish_reason"),
-                        "truncated": bool(r.get("truncated")), "model": model, "ttft_s": res.get("ttft_s"),
-                        "latency_s": res.get("latency_s"), "text": r.get("text"),
-                        "long_input_policy": r.get("long_input_policy"), "doc_tokens": r.get("doc_tokens"),
-                        "kept_tokens": r.get("kept_tokens"), "chunks": None, "columns": r.get("columns"),
-                        **(extra(r["task"], res) if extra else {})})
+            out.append(result_row(r, res, model, extra=extra))
         return out
 
 

@@ -89,7 +89,7 @@ class JobSpec(BaseModel):
             if self.output.keep_columns:
                 raise ValueError(f"output.keep_columns: {self.input.format} inputs have no columns to keep")
         if isinstance(self.output.keep_columns, list):
-            from dlbatch.prompts.columns import RESULT_COLUMNS
+            from dlbatch.records import RESULT_COLUMNS
 
             clash = [c for c in self.output.keep_columns if c in RESULT_COLUMNS or c == "text"]
             if clash:

@@ -7,14 +7,10 @@ misspelt column is one error at start-up, not a dead letter per document. Rows o
 may differ: a column found in any of the first rows counts, and a later row without it is
 that row's dead letter (the template's StrictUndefined names it).
 
-``RESULT_COLUMNS`` are the names every result row has (dlbatch/output/parquet_store.py): an
-input column kept under one of them would be ambiguous, so ``keep_columns`` refuses them.
 """
 from __future__ import annotations
 
-RESULT_COLUMNS = ["doc_id", "source", "task", "output", "prompt_tokens", "output_tokens", "finish_reason",
-                  "truncated", "model", "ttft_s", "latency_s", "long_input_policy", "doc_tokens", "kept_tokens",
-                  "chunks"]
+from dlbatch.records import RESULT_COLUMNS  # noqa: F401 - dlbatch/output/parquet_store.py reads it here
 PEEK_ROWS = 100
 
 

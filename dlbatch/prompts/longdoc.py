@@ -62,6 +62,12 @@ REDUCE_VARIABLES = ("notes", "count", "title", "doc_id", "source", "pages", "tas
                     "final")
 
 
+def plan_key(kind: str, task: str, level: int, index: int) -> str:
+    """A plan request's key, unique within its document: ``map:<task>:0:<chunk>`` or
+    ``reduce:<task>:<level>:<group>`` (a request's ``part``, `dlbatch.records.RequestKey`)."""
+    return f"{kind}:{task}:{level}:{index}"
+
+
 @dataclasses.dataclass
 class LongRequest:
     """One request of a plan. ``key`` is unique within the document."""
@@ -77,7 +83,7 @@ class LongRequest:
 
     @property
     def key(self) -> str:
-        return f"{self.kind}:{self.task}:{self.level}:{self.index}"
+        return plan_key(self.kind, self.task, self.level, self.index)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "key": self.key}
@@ -307,6 +313,10 @@ class ChunkPlan:
     def final(self, task: str) -> str | None:
         return self.finals.get(task)
 
+    def final_key(self, task: str) -> str:
+        """The key of the task's final reduce request (its answer)."""
+        return plan_key("reduce", task, self.final_level[task], 0)
+
     def summary(self) -> dict:
         """What a result row records about the chunking."""
         return {"chunks": self.num_chunks, "doc_tokens": len(self.ids),
@@ -345,5 +355,5 @@ class ChunkPlan:
         return plan
 
 
-__all__ = ["ChunkPlan", "LongRequest", "chunk_spans", "split_pieces", "DEFAULT_MAP_PROMPT",
+__all__ = ["ChunkPlan", "LongRequest", "chunk_spans", "plan_key", "split_pieces", "DEFAULT_MAP_PROMPT",
            "DEFAULT_REDUCE_PROMPT", "TemplateError"]

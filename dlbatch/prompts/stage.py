@@ -24,10 +24,6 @@ from dlbatch.prompts.sampling import expand_samples, task_sampling
 
 log = logging.getLogger("dlbatch.prompts.stage")
 
-REQUEST_COLUMNS = ["doc_id", "source", "title", "pages", "task", "task_index", "prompt_ids", "max_tokens",
-                   "truncated", "seed", "text", "stage", "error_type", "error",
-                   "long_input_policy", "doc_tokens", "kept_tokens", "chunk_index", "chunk_count", "chunk_plan",
-                   "columns", "sampling"]
 MIDDLE_MARK = "\n\n[...]\n\n"   # where ``long_inputs: middle`` dropped the middle of a document
 
 
