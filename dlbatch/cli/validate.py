@@ -86,7 +86,7 @@ def _pipeline(spec) -> None:
 
 
 def _inputs(spec) -> list[str]:
-    from connectors import list_inputs
+    from connectors import input_format, list_inputs
     from connectors.listing import _url_to_fs
 
     inp = spec.input
@@ -114,7 +114,7 @@ def _inputs(spec) -> list[str]:
     else:
         what = f"{len(files):,} {inp.format} files, {total / 1e6:,.1f} MB{more} under {inp.path}"
     print(f"inputs: {what}" + (f"; input.limit {inp.limit}" if inp.limit is not None else ""))
-    if inp.format not in ("pdf", "text"):
+    if input_format(inp.format).has_columns:
         from dlbatch.prompts.columns import missing_columns, peek_columns
 
         cols = peek_columns(files[0], inp.format, inp.text_field, dict(inp.storage_options))

@@ -122,7 +122,7 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
                  device: str | None = None) -> JobSample:
     """Read the first ``sample`` documents of ``spec`` (a validated JobSpec) and build the
     Workload for ``n_docs`` documents (default: the job's document count)."""
-    from connectors import list_inputs
+    from connectors import input_format, list_inputs
     from connectors.parse import parse_file
     from dlbatch.prompts.stage import PromptStage
     from dlbatch.prompts.sampling import task_sampling
@@ -133,7 +133,7 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
         raise ValueError(f"docs must be an integer >= 1, got {n_docs!r}")
     inp = spec.input
     files = list_inputs(inp.path, inp.format, dict(inp.storage_options))
-    one_per_file = inp.format in ("pdf", "text")
+    one_per_file = input_format(inp.format).one_doc_per_file
     if inp.limit is not None and one_per_file:
         files = files[:inp.limit]
     stage = PromptStage(spec)

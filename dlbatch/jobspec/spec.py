@@ -74,9 +74,10 @@ class JobSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_columns(self) -> "JobSpec":
+        from connectors.formats import input_format
         from dlbatch.prompts.templates import column_references
 
-        if self.input.format in ("pdf", "text"):
+        if not input_format(self.input.format).has_columns:
             for i, t in enumerate(self.tasks):
                 used = sorted(column_references(t.source))
                 if used:

@@ -19,9 +19,10 @@ def peek_columns(url: str, fmt: str, text_field: str, storage_options: dict | No
     """The columns of an input's first ``rows`` good rows (JSON rows may differ: their union);
     the text column included. Empty for inputs without columns (pdf, text)."""
     from connectors.columns import unpack_table
+    from connectors.formats import input_format
     from connectors.listing import read_document_file
 
-    if fmt in ("pdf", "text"):
+    if not input_format(fmt).has_columns:
         return set()
     names: set[str] = set()
     for row in read_document_file(url, fmt, text_field=text_field, storage_options=storage_options, max_rows=rows):
@@ -34,9 +35,10 @@ def peek_columns(url: str, fmt: str, text_field: str, storage_options: dict | No
 def missing_columns(spec, columns: set[str]) -> list[str]:
     """Problems of a job whose templates or ``output.keep_columns`` name columns the input
     lacks (``columns``: `peek_columns` of its first file), each naming the task and column."""
+    from connectors.formats import input_format
     from dlbatch.prompts.templates import TEMPLATE_VARIABLES, column_references
 
-    if spec.input.format in ("pdf", "text") or not columns:
+    if not input_format(spec.input.format).has_columns or not columns:
         return []
     problems = []
     for t in spec.tasks:
@@ -54,9 +56,10 @@ def missing_columns(spec, columns: set[str]) -> list[str]:
 
 def check_columns(spec, files: list[str]) -> None:
     """Raises ValueError naming the first missing column (see `missing_columns`)."""
+    from connectors.formats import input_format
     from dlbatch.prompts.templates import column_references
 
-    if not files or spec.input.format in ("pdf", "text"):
+    if not files or not input_format(spec.input.format).has_columns:
         return
     if not spec.output.keep_columns and not any(column_references(t.source) for t in spec.tasks):
         return
