@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dlbatch.driver.dispatch import Document
+from dlbatch.driver.document import Document
 from dlbatch.jobspec import parse_job
 from dlbatch.prompts.map_reduce import MapReduce
 from dlbatch.prompts.stage import PromptStage

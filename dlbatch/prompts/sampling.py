@@ -10,7 +10,7 @@ reruns and retries sample the same tokens whatever the batching.
 (so sample 0 is what n = 1 draws), each row a request like any other (prefill/decode pools
 included; they share the prompt as prefix, so the router sends them together and the prefix
 cache computes it once). The document's result row is sample 0's, with every sample in its
-``samples`` column (`dlbatch.driver.dispatch.Document`).
+``samples`` column (`dlbatch.driver.document.Document`).
 """
 from __future__ import annotations
 
