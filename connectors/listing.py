@@ -6,7 +6,9 @@ of file URLs (plain absolute paths for the local filesystem, ``proto://...`` oth
 Files and folders whose name starts with ``_`` or ``.`` (``_tmp/``, ``_SUCCESS``,
 ``.ipynb_checkpoints``) are skipped when walking a directory.
 
-``read_document_file(url, format, ...)`` yields the rows of one listed input.
+``read_document_file(url, format, ...)`` yields the rows of one listed input. What a format
+holds, its file names, its reader and its row counter are its row of the input-format table
+(`connectors.formats`).
 
 A Hub dataset (``input.format: hf``, ``path: org/name``) is one input, named by the URL the
 job spec folds its config/split/revision/streaming into (``hf-dataset://org/name?...``,
@@ -37,29 +39,15 @@ import re
 from itertools import islice
 from typing import Iterator
 
+from .formats import FORMATS, ReadOptions, input_format
 from .io_retry import call_with_retry
 from .records import DuplicateIds
 from .repair import repair_id, unescape_name
 from .secrets import resolve_options
 
-FORMAT_EXTENSIONS: dict[str, tuple[str, ...]] = {
-    "pdf": (".pdf",),
-    "jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"),
-    "parquet": (".parquet",),
-    "text": (".txt", ".md"),
-    "hf": (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet"),  # or a saved-dataset dir
-    "openai_batch": (".jsonl", ".jsonl.gz"),  # OpenAI Batch API request files (connectors/openai_batch.py)
-}
-FORMATS = tuple(FORMAT_EXTENSIONS)
+__all__ = ["FORMATS", "count_rows", "inputs_fingerprint", "limited_reads", "list_inputs", "read_document_file"]
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
-
-
-def _check_format(format: str) -> tuple[str, ...]:
-    try:
-        return FORMAT_EXTENSIONS[format]
-    except KeyError:
-        raise ValueError(f"unknown input format {format!r}; expected one of {list(FORMATS)}") from None
 
 
 def _url_to_fs(path: str, storage_options: dict | None):
@@ -110,7 +98,7 @@ def list_inputs(path: str, format: str, storage_options: dict | None = None) -> 
     Raises FileNotFoundError naming ``path`` when it does not exist or nothing matches,
     ValueError for an unknown format.
     """
-    exts = _check_format(format)
+    exts = input_format(format).extensions
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"input path must be a non-empty string, got {path!r}")
     from .hf_hub import check_hub_dataset, is_hub_url
@@ -180,55 +168,30 @@ def read_document_file(url: str, format: str, text_field: str = "text", id_field
     ``DuplicateId`` error row naming both sources (`connectors.records.DuplicateIds`);
     openai_batch -> one row per request line, its id the line's ``custom_id`` (checked the same way).
     """
-    rows = _read_rows(url, format, text_field, id_field, storage_options, max_pages=max_pages, errors=errors,
-                      title_field=title_field, split=split)
-    if format == "openai_batch":
-        id_field = "custom_id"
+    fmt = input_format(format)
+    options = ReadOptions(text_field=text_field, id_field=id_field, title_field=title_field, max_pages=max_pages,
+                          errors=errors, split=split, storage_options=resolve_options(storage_options))
+    rows = _read_rows(url, fmt, options)
+    id_field = fmt.id_field or id_field
     if id_field:
         rows = DuplicateIds(id_field).check(rows)
     return rows if max_rows is None else islice(rows, max_rows)
 
 
-def _read_rows(url: str, format: str, text_field: str, id_field: str | None, storage_options: dict | None, *,
-               max_pages: int | None, errors: str, title_field: str | None, split: str | None) -> Iterator[dict]:
-    _check_format(format)
-    storage_options = resolve_options(storage_options)  # once, for the readers given the options too
+def _read_rows(url: str, fmt, options: ReadOptions) -> Iterator[dict]:
+    """The format's reader over one input; a Hub dataset through `connectors.hf_hub`."""
     from .hf_hub import is_hub_url
 
     if is_hub_url(url):
         from .hf_hub import read_hub
 
-        yield from read_hub(url, text_field, id_field, title_field, storage_options=storage_options)
+        yield from read_hub(url, options.text_field, options.id_field, options.title_field,
+                            storage_options=options.storage_options)
         return
-    fs, fspath = _url_to_fs(url, storage_options)
+    fs, fspath = _url_to_fs(url, options.storage_options)
     if unescape_name(url) != url:  # the readers open the URL they are given: the file system's spelling
         url = _url_of(fs, fspath)
-    if format == "pdf":
-        from .pdf import extract_pdf
-
-        data = call_with_retry(fs.cat_file, fspath, op=f"read {url}")
-        yield extract_pdf(data, url, max_pages=max_pages)
-    elif format == "jsonl":
-        from .text_sources import read_jsonl
-
-        yield from read_jsonl(url, text_field, id_field, fs=fs, title_field=title_field)
-    elif format == "openai_batch":
-        from .openai_batch import read_openai_batch
-
-        yield from read_openai_batch(url, fs)
-    elif format == "parquet":
-        from .text_sources import read_parquet
-
-        yield from read_parquet(url, text_field, id_field, fs=fs, title_field=title_field)
-    elif format == "text":
-        from .text_sources import read_text
-
-        yield from read_text(url, fs=fs, id_field=id_field, errors=errors)
-    else:  # hf
-        from .text_sources import read_hf
-
-        yield from read_hf(url, text_field, id_field, split=split, title_field=title_field,
-                           storage_options=storage_options)
+    yield from fmt.read(url, fs, fspath, options)
 
 
 _VERSION_KEYS = ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified", "last_modified", "updated",
@@ -279,41 +242,31 @@ def inputs_fingerprint(files: list[str], storage_options: dict | None = None, li
 def count_rows(url: str, format: str, stop: int, storage_options: dict | None = None, **read_kwargs) -> int:
     """How many rows :func:`read_document_file` yields for ``url``, counting at most ``stop``.
 
-    JSONL: its non-blank lines (each is one row, good or error); Parquet: the footer's row
-    count (an unreadable file is one CorruptFile row); pdf and text: one; hf: the rows read
-    (a Hub dataset: its split's size when the dataset states it).
-    A file that fails part-way counts the rows before the failure and one error row, as
-    `connectors.parse.parse_file` turns it; a missing file or a denied read raises.
+    The format's counter (`connectors.formats`): JSONL its non-blank lines (each is one
+    row, good or error), Parquet the footer's row count (an unreadable file is one
+    CorruptFile row), a one-document file one; hf the rows read (a Hub dataset: its split's
+    size when the dataset states it). A file that fails part-way counts the rows before the
+    failure and one error row, as `connectors.parse.parse_file` turns it; a missing file or a
+    denied read raises.
     """
-    _check_format(format)
-    if format in ("pdf", "text"):
+    fmt = input_format(format)
+    if fmt.one_doc_per_file:
         return min(1, stop)
     from .hf_hub import count_hub_rows, is_hub_url
 
     if is_hub_url(url):  # the split's size when the dataset states it, else the rows read
         return count_hub_rows(url, stop, storage_options=resolve_options(storage_options), **read_kwargs)
-    fs, fspath = _url_to_fs(url, storage_options)
+    if fmt.count is None:
+        counts = (1 for _ in read_document_file(url, format, storage_options=storage_options, **read_kwargs))
+    else:
+        fs, fspath = _url_to_fs(url, storage_options)
+        counts = fmt.count(url, fs, fspath)
     n = 0
     try:
-        if format in ("jsonl", "openai_batch"):
-            from .text_sources import _compression_for, _open
-
-            with _open(fs, fspath, _compression_for(url)) as f:
-                for line in f:
-                    n += bool(line.strip())
-                    if n >= stop:
-                        break
-            return n
-        if format == "parquet":
-            import pyarrow.parquet as pq
-
-            with call_with_retry(fs.open, fspath, "rb", op=f"open {url}") as f:
-                try:
-                    return min(pq.ParquetFile(f).metadata.num_rows, stop)
-                except Exception:
-                    return min(1, stop)  # read_parquet yields one CorruptFile row
-        for _ in islice(read_document_file(url, format, storage_options=storage_options, **read_kwargs), stop):
-            n += 1
+        for k in counts:
+            n += k
+            if n >= stop:
+                return stop
         return n
     except (FileNotFoundError, PermissionError):
         raise

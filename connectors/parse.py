@@ -46,7 +46,6 @@ PDF_EXTRACT = "connectors.pdf:extract_pdf"   # what the parser process runs on a
 TEST_PARSER_ENV = "DLBATCH_TEST_PDF_PARSER"
 PDF_PRELOAD = ("pymupdf", "connectors.pdf")  # imported when the parser process starts
 FILE_TOO_LARGE = "FileTooLarge"
-CAPPED_FORMATS = ("pdf", "text")  # one document per file: the byte cap applies
 
 
 def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, storage_options: dict | None,
@@ -86,8 +85,11 @@ def _row(d: dict) -> dict:
 
 
 def _too_large(url: str, fmt: str, storage_options: dict | None, max_file_bytes: int | None) -> dict | None:
-    """A FileTooLarge row when a PDF or text file is over the cap (its size read before its bytes)."""
-    if max_file_bytes is None or fmt not in CAPPED_FORMATS:
+    """A FileTooLarge row when a one-document file (pdf, text: `connectors.formats`) is over the
+    cap, its size read before its bytes."""
+    from .formats import input_format
+
+    if max_file_bytes is None or not input_format(fmt).one_doc_per_file:
         return None
     from .io_retry import call_with_retry
     from .listing import _url_to_fs

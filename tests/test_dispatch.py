@@ -7,8 +7,9 @@ import zlib
 import pytest
 
 from dlbatch.driver.commit_buffer import CommitBuffer
-from dlbatch.driver.dispatch import Dispatcher, request_id
+from dlbatch.driver.dispatch import Dispatcher
 from dlbatch.driver.retry_policy import RetryPolicy
+from dlbatch.records import request_id
 from dlbatch.router import Router, RouterConfig
 
 TASKS = ("summary", "keywords", "question")

@@ -12,6 +12,7 @@ import pytest
 
 from connectors.ids import content_id
 from dlbatch.driver.feed import InputFeed
+from dlbatch.records import request_id
 from tests.test_dispatch import Clock, make, ok_results, rows_of
 
 
@@ -76,7 +77,7 @@ def test_a_dead_lettered_document_takes_its_duplicates_letters_along():
     d.add_row(copy_of("x", "b.txt")[0])
     while not d.finished():
         for b in d.next_batches():
-            d.batch_done(b.id, [{"request_id": f"{r['doc_id']}::{r['task']}", "error": "EngineError: boom"}
+            d.batch_done(b.id, [{"request_id": request_id(r), "error": "EngineError: boom"}
                                 for r in b.rows])
         for w in d.unhealthy():
             d.worker_back(w.key)

@@ -22,6 +22,15 @@ def tok():
     return load_tokenizer("smollm2-135m-instruct")
 
 
+def _enc(tok, chat: bool):
+    """The encoder of a job with TASKS on the bundled model, its chat template on or off."""
+    from dlbatch.jobspec.model import ModelSpec
+    from dlbatch.jobspec.tasks import TaskSpec
+    from dlbatch.prompts.encoder import PromptEncoder
+
+    return PromptEncoder(tok, ModelSpec(chat=chat), [TaskSpec(**t) for t in TASKS])
+
+
 @pytest.fixture(scope="module")
 def paper():
     data = (PAPERS_DIR / "long_context_batch_serving.pdf").read_bytes()
@@ -57,7 +66,7 @@ def test_chunk_spans_prefer_paragraph_and_section_boundaries():
 
 
 def test_plan_chunks_the_long_sample_losslessly(tok, paper):
-    plan = ChunkPlan(paper, TASKS, tok, max_model_len=4096, chat=True, overlap_tokens=64)
+    plan = ChunkPlan(paper, TASKS, _enc(tok, True), max_model_len=4096, overlap_tokens=64)
     assert "".join(split_pieces(paper["text"])) == paper["text"]
     assert len(plan.ids) > 15000 and plan.num_chunks >= 4
     _check_cover(plan.spans, len(plan.ids), 64)
@@ -92,7 +101,7 @@ def _drive(plan, note_words: int):
 
 
 def test_map_then_single_reduce(tok, paper):
-    plan = ChunkPlan(paper, TASKS, tok, max_model_len=4096, chat=True, map_max_tokens=128)
+    plan = ChunkPlan(paper, TASKS, _enc(tok, True), max_model_len=4096, map_max_tokens=128)
     seen = _drive(plan, note_words=20)
     assert plan.done and plan.final("summary") == "final summary" and plan.final("keywords") == "final keywords"
     for task in ("summary", "keywords"):
@@ -103,7 +112,7 @@ def test_map_then_single_reduce(tok, paper):
 
 
 def test_recursive_reduce_when_notes_do_not_fit(tok, paper):
-    plan = ChunkPlan(paper, TASKS[:1], tok, max_model_len=1024, chat=False, map_max_tokens=200,
+    plan = ChunkPlan(paper, TASKS[:1], _enc(tok, False), max_model_len=1024, map_max_tokens=200,
                      overlap_tokens=0)
     assert plan.num_chunks > 20
     seen = _drive(plan, note_words=60)   # ~150 tokens a note: many notes cannot share one prompt
@@ -117,13 +126,13 @@ def test_recursive_reduce_when_notes_do_not_fit(tok, paper):
 
 
 def test_state_round_trip_mid_way(tok, paper):
-    kwargs = dict(max_model_len=1024, chat=False, map_max_tokens=200, overlap_tokens=0)
-    a = ChunkPlan(paper, TASKS[:1], tok, **kwargs)
+    kwargs = dict(max_model_len=1024, map_max_tokens=200, overlap_tokens=0)
+    a = ChunkPlan(paper, TASKS[:1], _enc(tok, False), **kwargs)
     maps = a.map_requests()
     for r in maps[:-1]:
         assert a.on_done(r.key, "words " * 80) == []
     state = json.loads(json.dumps(a.to_state()))
-    b = ChunkPlan.from_state(state, paper, TASKS[:1], tok)
+    b = ChunkPlan.from_state(state, paper, TASKS[:1], _enc(tok, False))
     assert b.spans == a.spans
     ra, rb = a.on_done(maps[-1].key, "words " * 80), b.on_done(maps[-1].key, "words " * 80)
     assert [r.to_dict() for r in ra] == [r.to_dict() for r in rb] and len(ra) >= 2
@@ -131,10 +140,10 @@ def test_state_round_trip_mid_way(tok, paper):
 
 def test_bad_settings_are_named(tok, paper):
     with pytest.raises(ValueError, match="chunk_tokens 5000 does not fit"):
-        ChunkPlan(paper, TASKS, tok, max_model_len=4096, chunk_tokens=5000)
+        ChunkPlan(paper, TASKS, _enc(tok, False), max_model_len=4096, chunk_tokens=5000)
     with pytest.raises(ValueError, match="map_max_tokens 2000 is too large"):
-        ChunkPlan(paper, TASKS, tok, max_model_len=4096, map_max_tokens=2000, chunk_tokens=1000)
-    plan = ChunkPlan(paper, TASKS, tok, max_model_len=4096)
+        ChunkPlan(paper, TASKS, _enc(tok, False), max_model_len=4096, map_max_tokens=2000, chunk_tokens=1000)
+    plan = ChunkPlan(paper, TASKS, _enc(tok, False), max_model_len=4096)
     with pytest.raises(ValueError, match="no reduce group"):
         plan.on_done("reduce:summary:1:0", "x")
 
@@ -214,5 +223,5 @@ def test_chunk_policy_rows(tmp_path, monkeypatch, tok, doc_row):
     assert [(r["chunk_index"], r["task"]) for r in rows] == [(i, t["name"]) for i in range(n) for t in TASKS]
     assert all(r["long_input_policy"] == "chunk" and r["truncated"] is False for r in rows)
     assert len({r["seed"] for r in rows}) == len(rows)
-    plan = ChunkPlan.from_state(json.loads(rows[0]["chunk_plan"]), doc_row, TASKS, tok)
+    plan = ChunkPlan.from_state(json.loads(rows[0]["chunk_plan"]), doc_row, TASKS, _enc(tok, True))
     assert plan.num_chunks == n and plan.spans[-1][1] == rows[0]["doc_tokens"]

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from dlbatch.driver.dispatch import Dispatcher, request_id
+from dlbatch.driver.dispatch import Dispatcher
 from dlbatch.jobspec import load_job
-from dlbatch.prompts.map_reduce import SEP, MapReduce
+from dlbatch.prompts.map_reduce import MapReduce
 from dlbatch.driver.retry_policy import RetryPolicy
 from dlbatch.router import Router, RouterConfig
 from dlbatch.prompts.stage import PromptStage
+from dlbatch.records import PART_SEP, request_id
 
 PARA = ("Paragraph {i} of the long paper reports that perovskite absorbers lose efficiency under heat, "
         "humidity and light, and that encapsulation slows the loss by a factor the authors measure. ")
@@ -74,7 +75,7 @@ def test_chunked_document_maps_then_reduces_one_row_per_task(tmp_path):
     for r in out:
         assert r["chunks"] == n_chunks and r["truncated"] is False and r["long_input_policy"] == "chunk"
         # the answer is the output of the task's final reduce request
-        assert r["output"].startswith(f"note on long1::{r['task']}{SEP}reduce:{r['task']}:")
+        assert r["output"].startswith(f"note on long1::{r['task']}{PART_SEP}reduce:{r['task']}:")
         assert r["doc_tokens"] > 768 and r["prompt_tokens"] > r["doc_tokens"]  # all its requests together
 
 

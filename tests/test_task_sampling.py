@@ -63,7 +63,8 @@ def test_extras_reach_the_request_and_a_rows_own_sampling_wins():
 
 
 def test_n_samples_are_n_rows_seeded_seed_plus_i():
-    from dlbatch.prompts.sampling import base_task, expand_samples
+    from dlbatch.prompts.sampling import expand_samples
+    from dlbatch.records import base_task
 
     spec = load_job("jobs/papers.yaml", ["tasks.1.sampling={n: 3}"])
     rows = [{"doc_id": "d", "task": t, "seed": 40} for t in ("summary", "keywords", "keywords#c0")]

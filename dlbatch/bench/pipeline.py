@@ -199,6 +199,8 @@ def agreement_fp32(spec, docs: list[dict], n_docs: int, max_tokens: int, chars: 
         out = hf({"doc_id": [r["doc_id"]], "task": [r["task"]], "max_tokens": [max_tokens],
                   "prompt_ids": [list(r["prompt_ids"])]})
         theirs.append(list(out["output_ids"][0]))
+    from dlbatch.records import request_id
+
     eos = set(ref["eos"])
     same = []
     for o, t in zip(ours, theirs):
@@ -210,7 +212,7 @@ def agreement_fp32(spec, docs: list[dict], n_docs: int, max_tokens: int, chars: 
     torch.set_num_threads(os.cpu_count() or 1)
     return {"requests": len(reqs), "identical": sum(same), "all_identical": all(same), "max_tokens": max_tokens,
             "prompt_tokens": [len(r["prompt_ids"]) for r in reqs],
-            "pairs": [{"request": f"{r['doc_id']}::{r['task']}", "ours": o, "theirs": t}
+            "pairs": [{"request": request_id(r), "ours": o, "theirs": t}
                       for r, o, t in zip(reqs, ours, theirs)][:6]}
 
 

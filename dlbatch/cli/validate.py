@@ -86,7 +86,7 @@ def _pipeline(spec) -> None:
 
 
 def _inputs(spec) -> list[str]:
-    from connectors import list_inputs
+    from connectors import input_format, list_inputs
     from connectors.listing import _url_to_fs
 
     inp = spec.input
@@ -114,7 +114,7 @@ def _inputs(spec) -> list[str]:
     else:
         what = f"{len(files):,} {inp.format} files, {total / 1e6:,.1f} MB{more} under {inp.path}"
     print(f"inputs: {what}" + (f"; input.limit {inp.limit}" if inp.limit is not None else ""))
-    if inp.format not in ("pdf", "text"):
+    if input_format(inp.format).has_columns:
         from dlbatch.prompts.columns import missing_columns, peek_columns
 
         cols = peek_columns(files[0], inp.format, inp.text_field, dict(inp.storage_options))
@@ -149,6 +149,7 @@ def _output(spec) -> None:
 def _prompts(spec, files: list[str], n_docs: int, show_chars: int) -> None:
     from connectors.parse import parse_file
     from dlbatch.prompts.stage import PromptStage
+    from dlbatch.records import base_task
 
     inp = spec.input
     stage = PromptStage(spec)
@@ -176,7 +177,7 @@ def _prompts(spec, files: list[str], n_docs: int, show_chars: int) -> None:
         r = by_task.get(t.name)
         if r is None:
             continue
-        samples = sum(1 for k in by_task if k.split("~", 1)[0] == t.name)
+        samples = sum(1 for k in by_task if base_task(k) == t.name)
         text = stage.tok.decode(list(r["prompt_ids"]))
         shown = text if len(text) <= 2 * n else f"{text[:n]} [...] {text[-n:]}"
         print(f"  task {t.name}: {len(r['prompt_ids']):,} prompt tokens, max_tokens {r['max_tokens']}"

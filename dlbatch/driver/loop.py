@@ -15,6 +15,7 @@ import time
 
 from dlbatch.workers.pools import MAX_RESTARTS, JobFailed
 from dlbatch.prompts import sampling, structured
+from dlbatch.records import base_task, request_id
 
 log = logging.getLogger("dlbatch.run")
 
@@ -171,15 +172,15 @@ class DispatchLoop:
 
         def key(r):  # requests fold only when they would sample alike: same sampling, constraint, stop, extras
             smp = sampling.request_sampling(spec, r)
-            task = sampling.base_task(r["task"])
+            task = base_task(r["task"])
             extra = {"constraint": folds[task]} if task in folds else {}
             extra.update({k: tuple(v) if isinstance(v, list) else v for k, v in smp.items()
                           if k not in ("temperature", "top_p", "top_k", "seed") and not isinstance(v, dict)})
             if r.get("sampling"):  # a row's own sampling (an OpenAI batch line) never folds onto another's
-                extra["row"] = f"{r['doc_id']}::{r['task']}"
+                extra["row"] = request_id(r)
             if smp["temperature"] == 0 and not extra:
                 return None
-            return make_sampling_key(f"{r['doc_id']}::{r['task']}", smp["temperature"], smp["top_p"], smp["top_k"],
+            return make_sampling_key(request_id(r), smp["temperature"], smp["top_p"], smp["top_k"],
                                      int(r["seed"]), **extra)
 
         return Dispatcher({role: len(ws) for role, ws in workers.items()},
@@ -207,8 +208,8 @@ class DispatchLoop:
         items = []
         for r in rows:  # the job's sampling, the task's own over it, the row's own over that
             smp = sampling.request_sampling(self.spec, r)
-            constraint = smp.pop("constraint", None) or self.constraints.get(sampling.base_task(r["task"]))
-            items.append({"request_id": f"{r['doc_id']}::{r['task']}", "token_ids": list(r["prompt_ids"]),
+            constraint = smp.pop("constraint", None) or self.constraints.get(base_task(r["task"]))
+            items.append({"request_id": request_id(r), "token_ids": list(r["prompt_ids"]),
                           "max_tokens": int(r["max_tokens"]), **smp,
                           **({"constraint": constraint} if constraint is not None else {})})
         return items

@@ -122,10 +122,9 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
                  device: str | None = None) -> JobSample:
     """Read the first ``sample`` documents of ``spec`` (a validated JobSpec) and build the
     Workload for ``n_docs`` documents (default: the job's document count)."""
-    from connectors import list_inputs
+    from connectors import input_format, list_inputs
     from connectors.parse import parse_file
     from dlbatch.prompts.stage import PromptStage
-    from dlbatch.prompts.sampling import task_sampling
 
     if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
         raise ValueError(f"sample must be an integer >= 1, got {sample!r}")
@@ -133,7 +132,7 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
         raise ValueError(f"docs must be an integer >= 1, got {n_docs!r}")
     inp = spec.input
     files = list_inputs(inp.path, inp.format, dict(inp.storage_options))
-    one_per_file = inp.format in ("pdf", "text")
+    one_per_file = input_format(inp.format).one_doc_per_file
     if inp.limit is not None and one_per_file:
         files = files[:inp.limit]
     stage = PromptStage(spec)
@@ -184,42 +183,56 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
         doc_tokens = [1] * len(doc_tokens)
     estimated = False
     if n_docs is None:
-        from connectors.hf_hub import is_hub_url
-
-        if one_per_file:
-            total = len(files)
-        elif len(files) == 1 and is_hub_url(files[0]):  # a Hub dataset: its split's stated size
-            from connectors.listing import count_rows
-
-            total = count_rows(files[0], inp.format, 1 << 62, dict(inp.storage_options))
-        elif len(files) <= COUNT_FILES:  # record files: their rows counted, not parsed (JSONL lines, footers)
-            from connectors.listing import count_rows
-
-            stop = inp.limit if inp.limit is not None else 1 << 62
-            total = 0
-            for f in files:
-                total += count_rows(f, inp.format, stop - total, dict(inp.storage_options))
-                if total >= stop:
-                    break
-        else:
-            total = max(docs_read, int(round(docs_read / files_read * len(files))))
-            estimated = True
-        if inp.limit is not None:
-            total = min(total, inp.limit)
-        n_docs = total
-    n = {t.name: task_sampling(spec, t.name).n or 1 for t in spec.tasks}  # each sample is one more request
-    outputs = [t.max_tokens for t in spec.tasks for _ in range(n[t.name])]
-    source = "max_tokens of the tasks"
-    if use_report:
-        obs = observed_outputs(spec)
-        if obs:
-            outputs, source = obs, f"observed in a previous run's _report.json, {len(obs)} rows"
+        n_docs, estimated = _count_documents(inp, files, docs_read, files_read)
+    outputs, source = _outputs(spec, use_report)
     wl = Workload.from_samples(doc_tokens, suffix_tokens, outputs, n_docs=n_docs, tasks_per_doc=max(K, requests),
                                prefix_shared=shared)
     model = model_spec_for(spec.model.name, spec.model.dtype, device or _job_device(spec))
     return JobSample(workload=wl, model=model, docs_sampled=len(doc_tokens), docs_total=n_docs,
                      docs_total_estimated=estimated, truncated_docs=truncated, failed_docs=failed,
                      output_source=source)
+
+
+def _count_documents(inp, files: list[str], docs_read: int, files_read: int) -> tuple[int, bool]:
+    """(documents of the job, whether that is an estimate): the listed files of a
+    one-document format, a Hub dataset's stated size, the rows of up to COUNT_FILES record
+    files counted (not parsed), else extrapolated from the ``docs_read`` documents of the
+    first ``files_read`` files; at most ``input.limit``."""
+    from connectors import input_format
+    from connectors.hf_hub import is_hub_url
+    from connectors.listing import count_rows
+
+    estimated = False
+    if input_format(inp.format).one_doc_per_file:
+        total = len(files)
+    elif len(files) == 1 and is_hub_url(files[0]):  # a Hub dataset: its split's stated size
+        total = count_rows(files[0], inp.format, 1 << 62, dict(inp.storage_options))
+    elif len(files) <= COUNT_FILES:  # record files: their rows counted, not parsed (JSONL lines, footers)
+        stop = inp.limit if inp.limit is not None else 1 << 62
+        total = 0
+        for f in files:
+            total += count_rows(f, inp.format, stop - total, dict(inp.storage_options))
+            if total >= stop:
+                break
+    else:
+        total = max(docs_read, int(round(docs_read / files_read * len(files))))
+        estimated = True
+    if inp.limit is not None:
+        total = min(total, inp.limit)
+    return total, estimated
+
+
+def _outputs(spec, use_report: bool) -> tuple[list[int], str]:
+    """Output tokens per request (a task's n samples are n requests) and where they come
+    from: a previous complete run's observed counts when there is one, else ``max_tokens``."""
+    from dlbatch.prompts.sampling import task_sampling
+
+    if use_report:
+        obs = observed_outputs(spec)
+        if obs:
+            return obs, f"observed in a previous run's _report.json, {len(obs)} rows"
+    n = {t.name: task_sampling(spec, t.name).n or 1 for t in spec.tasks}  # each sample is one more request
+    return [t.max_tokens for t in spec.tasks for _ in range(n[t.name])], "max_tokens of the tasks"
 
 
 def _job_device(spec) -> str:

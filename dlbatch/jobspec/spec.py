@@ -74,9 +74,10 @@ class JobSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_columns(self) -> "JobSpec":
+        from connectors.formats import input_format
         from dlbatch.prompts.templates import column_references
 
-        if self.input.format in ("pdf", "text"):
+        if not input_format(self.input.format).has_columns:
             for i, t in enumerate(self.tasks):
                 used = sorted(column_references(t.source))
                 if used:
@@ -89,7 +90,7 @@ class JobSpec(BaseModel):
             if self.output.keep_columns:
                 raise ValueError(f"output.keep_columns: {self.input.format} inputs have no columns to keep")
         if isinstance(self.output.keep_columns, list):
-            from dlbatch.prompts.columns import RESULT_COLUMNS
+            from dlbatch.records import RESULT_COLUMNS
 
             clash = [c for c in self.output.keep_columns if c in RESULT_COLUMNS or c == "text"]
             if clash:

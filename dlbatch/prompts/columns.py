@@ -7,14 +7,10 @@ misspelt column is one error at start-up, not a dead letter per document. Rows o
 may differ: a column found in any of the first rows counts, and a later row without it is
 that row's dead letter (the template's StrictUndefined names it).
 
-``RESULT_COLUMNS`` are the names every result row has (dlbatch/output/parquet_store.py): an
-input column kept under one of them would be ambiguous, so ``keep_columns`` refuses them.
 """
 from __future__ import annotations
 
-RESULT_COLUMNS = ["doc_id", "source", "task", "output", "prompt_tokens", "output_tokens", "finish_reason",
-                  "truncated", "model", "ttft_s", "latency_s", "long_input_policy", "doc_tokens", "kept_tokens",
-                  "chunks"]
+from dlbatch.records import RESULT_COLUMNS  # noqa: F401 - dlbatch/output/parquet_store.py reads it here
 PEEK_ROWS = 100
 
 
@@ -23,9 +19,10 @@ def peek_columns(url: str, fmt: str, text_field: str, storage_options: dict | No
     """The columns of an input's first ``rows`` good rows (JSON rows may differ: their union);
     the text column included. Empty for inputs without columns (pdf, text)."""
     from connectors.columns import unpack_table
+    from connectors.formats import input_format
     from connectors.listing import read_document_file
 
-    if fmt in ("pdf", "text"):
+    if not input_format(fmt).has_columns:
         return set()
     names: set[str] = set()
     for row in read_document_file(url, fmt, text_field=text_field, storage_options=storage_options, max_rows=rows):
@@ -38,9 +35,10 @@ def peek_columns(url: str, fmt: str, text_field: str, storage_options: dict | No
 def missing_columns(spec, columns: set[str]) -> list[str]:
     """Problems of a job whose templates or ``output.keep_columns`` name columns the input
     lacks (``columns``: `peek_columns` of its first file), each naming the task and column."""
+    from connectors.formats import input_format
     from dlbatch.prompts.templates import TEMPLATE_VARIABLES, column_references
 
-    if spec.input.format in ("pdf", "text") or not columns:
+    if not input_format(spec.input.format).has_columns or not columns:
         return []
     problems = []
     for t in spec.tasks:
@@ -58,9 +56,10 @@ def missing_columns(spec, columns: set[str]) -> list[str]:
 
 def check_columns(spec, files: list[str]) -> None:
     """Raises ValueError naming the first missing column (see `missing_columns`)."""
+    from connectors.formats import input_format
     from dlbatch.prompts.templates import column_references
 
-    if not files or spec.input.format in ("pdf", "text"):
+    if not files or not input_format(spec.input.format).has_columns:
         return
     if not spec.output.keep_columns and not any(column_references(t.source) for t in spec.tasks):
         return

@@ -4,7 +4,7 @@ A ``ChunkPlan`` is a plain object: no Ray, no engine. The driver asks it for req
 runs them, and reports each output back; the plan answers with the requests that became
 ready. Life of one document with K tasks::
 
-    plan = ChunkPlan(doc, tasks, tokenizer, max_model_len=4096, chat=True)
+    plan = ChunkPlan(doc, tasks, encoder, max_model_len=4096)
     reqs = plan.map_requests()              # chunk-major: chunk 0's K map prompts, then chunk 1's...
     for each finished request r with output o:
         new = plan.on_done(r.key, o)        # [] while maps/groups are pending; then reduce requests
@@ -21,6 +21,11 @@ neighbours share exactly ``min(overlap_tokens, ...)`` tokens, nothing is skipped
 Map. Every chunk gets one map prompt per task (``map_prompt``, rendered with the chunk
 as ``text``; it starts with the chunk so the K tasks of a chunk share it as prefix).
 
+Prompts. Map and reduce prompts are a task's prompts: they go to token ids through the
+job's `dlbatch.prompts.encoder.PromptEncoder`, with the task's chat template, system
+prompt and template kwargs, exactly as an unchunked prompt of the task does; the budgets
+below are measured on those ids.
+
 Reduce. When all chunks of a task are mapped, its notes (the map outputs, in chunk
 order) go into ``reduce_prompt``. If that prompt plus the task's ``max_tokens`` fits in
 ``max_model_len`` it is the task's final request. Otherwise the notes are packed in order
@@ -30,8 +35,8 @@ recursively until one request fits. The constructor checks that two notes always
 one group, so every level at least halves the number of notes.
 
 State. ``to_state()`` is JSON-serialisable (chunk spans, outputs, pending groups);
-``ChunkPlan.from_state(state, doc, tasks, tokenizer)`` rebuilds the plan. The document
-text is not part of the state: only ``map_requests`` needs it.
+``ChunkPlan.from_state(state, doc, tasks, encoder)`` rebuilds the plan with an encoder of
+the same job. The document text is not part of the state: only ``map_requests`` needs it.
 """
 from __future__ import annotations
 
@@ -57,6 +62,12 @@ REDUCE_VARIABLES = ("notes", "count", "title", "doc_id", "source", "pages", "tas
                     "final")
 
 
+def plan_key(kind: str, task: str, level: int, index: int) -> str:
+    """A plan request's key, unique within its document: ``map:<task>:0:<chunk>`` or
+    ``reduce:<task>:<level>:<group>`` (a request's ``part``, `dlbatch.records.RequestKey`)."""
+    return f"{kind}:{task}:{level}:{index}"
+
+
 @dataclasses.dataclass
 class LongRequest:
     """One request of a plan. ``key`` is unique within the document."""
@@ -72,7 +83,7 @@ class LongRequest:
 
     @property
     def key(self) -> str:
-        return f"{self.kind}:{self.task}:{self.level}:{self.index}"
+        return plan_key(self.kind, self.task, self.level, self.index)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "key": self.key}
@@ -125,14 +136,16 @@ def chunk_spans(piece_lens: Sequence[int], chunk_tokens: int, overlap_tokens: in
 class ChunkPlan:
     """Map-reduce plan of one document over its tasks (see the module docstring)."""
 
-    def __init__(self, doc: Mapping[str, Any], tasks: Sequence[Any], tokenizer, max_model_len: int,
-                 chat: bool = False, chunk_tokens: int | None = None, overlap_tokens: int = 128,
+    def __init__(self, doc: Mapping[str, Any], tasks: Sequence[Any], encoder, max_model_len: int,
+                 chunk_tokens: int | None = None, overlap_tokens: int = 128,
                  map_prompt: str = DEFAULT_MAP_PROMPT, reduce_prompt: str = DEFAULT_REDUCE_PROMPT,
                  map_max_tokens: int = 256, _spans: list | None = None):
+        """``tasks``: the chunked tasks (job tasks, or mappings with name, prompt, max_tokens);
+        ``encoder``: the job's `dlbatch.prompts.encoder.PromptEncoder`, which knows them by name."""
         self.doc = dict(doc)
         self.doc_id = str(doc.get("doc_id", ""))
         self.tasks = [_task_fields(t) for t in tasks]
-        self.tok, self.limit, self.chat = tokenizer, int(max_model_len), bool(chat)
+        self.enc, self.tok, self.limit = encoder, encoder.tok, int(max_model_len)
         self.overlap_tokens, self.map_max_tokens = int(overlap_tokens), int(map_max_tokens)
         self.map_src, self.reduce_src = map_prompt, reduce_prompt
         self.map_tpl = _compile("map_prompt", map_prompt, MAP_VARIABLES)
@@ -164,11 +177,8 @@ class ChunkPlan:
                                 "text": ""})
         return _render(name, render, ctx).strip()
 
-    def _encode(self, prompt: str) -> list[int]:
-        return self.tok.encode_prompt(prompt, self.chat)
-
     def _map_overhead(self) -> int:
-        return max(len(self._encode(self._map_text(name, "", 10**3, 10**3))) for name, _, _ in self.tasks)
+        return max(len(self.enc.encode(name, self._map_text(name, "", 10**3, 10**3))) for name, _, _ in self.tasks)
 
     def _check_budget(self, chunk_tokens: int | None) -> int:
         room = self.limit - self._map_overhead() - self.map_max_tokens - 8
@@ -179,8 +189,9 @@ class ChunkPlan:
                              f"{room} tokens for a chunk after the map prompt and map_max_tokens "
                              f"{self.map_max_tokens} (and a chunk needs at least 64)")
         worst = self.tok.decode([self.tok.encode(" note", add_special_tokens=False)[-1]] * self.map_max_tokens)
-        two_notes = self._reduce_ids(self.tasks[0][0], [worst] * 2, 1, final=False)
-        if len(two_notes) + self.map_max_tokens > self.limit:
+        # every task's: a task's system prompt and template kwargs make its reduce prompts longer
+        two_notes = max(len(self._reduce_ids(name, [worst] * 2, 1, final=False)) for name, _, _ in self.tasks)
+        if two_notes + self.map_max_tokens > self.limit:
             raise ValueError(f"map_max_tokens {self.map_max_tokens} is too large for max_model_len {self.limit}: "
                              "two notes must fit in one reduce prompt")
         return chunk_tokens
@@ -209,7 +220,7 @@ class ChunkPlan:
             text = self.chunk_text(i)
             for k, (name, _, _) in enumerate(self.tasks):
                 out.append(LongRequest(self.doc_id, name, k, "map", 0, i,
-                                       self._encode(self._map_text(name, text, i, self.num_chunks)),
+                                       self.enc.encode(name, self._map_text(name, text, i, self.num_chunks)),
                                        self.map_max_tokens))
         return out
 
@@ -220,7 +231,7 @@ class ChunkPlan:
         ctx = {k: self.doc.get(k) for k in ("doc_id", "source", "pages")}
         ctx.update(notes=joined, count=len(notes), title=self.doc.get("title") or "", task=task,
                    instruction=self.instructions.get(task, ""), level=level, final=final)
-        return self._encode(_render(task, self.reduce_tpl, ctx))
+        return self.enc.encode(task, _render(task, self.reduce_tpl, ctx))
 
     def _task(self, name: str) -> tuple[int, int]:
         for k, (n, _, max_tokens) in enumerate(self.tasks):
@@ -302,6 +313,10 @@ class ChunkPlan:
     def final(self, task: str) -> str | None:
         return self.finals.get(task)
 
+    def final_key(self, task: str) -> str:
+        """The key of the task's final reduce request (its answer)."""
+        return plan_key("reduce", task, self.final_level[task], 0)
+
     def summary(self) -> dict:
         """What a result row records about the chunking."""
         return {"chunks": self.num_chunks, "doc_tokens": len(self.ids),
@@ -310,7 +325,7 @@ class ChunkPlan:
 
     def to_state(self) -> dict:
         return {"doc_id": self.doc_id, "spans": [list(s) for s in self.spans],
-                "settings": {"max_model_len": self.limit, "chat": self.chat, "chunk_tokens": self.chunk_tokens,
+                "settings": {"max_model_len": self.limit, "chat": self.enc.chat, "chunk_tokens": self.chunk_tokens,
                              "overlap_tokens": self.overlap_tokens, "map_prompt": self.map_src,
                              "reduce_prompt": self.reduce_src, "map_max_tokens": self.map_max_tokens},
                 "maps": {t: {str(i): o for i, o in m.items()} for t, m in self.maps.items()},
@@ -321,8 +336,16 @@ class ChunkPlan:
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], doc: Mapping[str, Any], tasks: Sequence[Any],
-                   tokenizer) -> "ChunkPlan":
-        plan = cls(doc, tasks, tokenizer, _spans=state["spans"], **state["settings"])
+                   encoder) -> "ChunkPlan":
+        """The plan ``to_state`` saved. Its ``chat`` setting records whether its prompts went
+        through the chat template: ``encoder`` must agree, or the reduce prompts would be
+        built unlike the maps whose budgets the spans were cut for."""
+        settings = dict(state["settings"])
+        chat = settings.pop("chat", encoder.chat)
+        if bool(chat) != encoder.chat:
+            raise ValueError(f"document {state.get('doc_id')!r}: its chunk plan was built with chat={chat}, "
+                             f"but this encoder has chat={encoder.chat}")
+        plan = cls(doc, tasks, encoder, _spans=state["spans"], **settings)
         plan.maps = {t: {int(i): o for i, o in m.items()} for t, m in state["maps"].items()}
         plan.groups = {t: {int(l): g for l, g in lv.items()} for t, lv in state["groups"].items()}
         plan.reduced = {t: {int(l): {int(g): o for g, o in d.items()} for l, d in lv.items()}
@@ -332,5 +355,5 @@ class ChunkPlan:
         return plan
 
 
-__all__ = ["ChunkPlan", "LongRequest", "chunk_spans", "split_pieces", "DEFAULT_MAP_PROMPT",
+__all__ = ["ChunkPlan", "LongRequest", "chunk_spans", "plan_key", "split_pieces", "DEFAULT_MAP_PROMPT",
            "DEFAULT_REDUCE_PROMPT", "TemplateError"]

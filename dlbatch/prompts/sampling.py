@@ -5,13 +5,16 @@ sets (temperature, top_p, top_k, seed, stop) for that task only. Each (document,
 draws with its own seed, `dlbatch.prompts.stage.derive_seed(task seed, doc_id, task)`, so
 reruns and retries sample the same tokens whatever the batching.
 
-``n`` samples of a prompt are n request rows: the task's row and ``<task>~1`` .. ``<task>~{n-1}``,
-sample i seeded with the row's seed + i (so sample 0 is what n = 1 draws), each row a request
-like any other (prefill/decode pools included; they share the prompt as prefix, so the
-router sends them together and the prefix cache computes it once). The document's result row
-is sample 0's, with every sample in its ``samples`` column (`dlbatch.driver.dispatch.Document`).
+``n`` samples of a prompt are n request rows: the task's row and ``<task>~1`` .. ``<task>~{n-1}``
+(a `dlbatch.records.RequestKey` with ``sample`` i), sample i seeded with the row's seed + i
+(so sample 0 is what n = 1 draws), each row a request like any other (prefill/decode pools
+included; they share the prompt as prefix, so the router sends them together and the prefix
+cache computes it once). The document's result row is sample 0's, with every sample in its
+``samples`` column (`dlbatch.driver.document.Document`).
 """
 from __future__ import annotations
+
+from dlbatch.records import RequestKey, base_task
 
 
 def task_sampling(spec, task: str):
@@ -25,23 +28,18 @@ def task_sampling(spec, task: str):
     return base.model_copy(update={k: v for k, v in own.model_dump().items() if v is not None})
 
 
-SAMPLE_SEP = "~"  # <task>~<i>: sample i of a task drawing n samples
-
-
-def base_task(task: str) -> str:
-    """The task a request row belongs to: ``keywords#c3`` (a chunk note), ``keywords~2`` (a sample)."""
-    return task.split("#", 1)[0].split(SAMPLE_SEP, 1)[0]
-
-
 def expand_samples(spec, rows: list[dict]) -> list[dict]:
     """Request rows with each n > 1 task row followed by its samples 1..n-1 (see above)."""
     out = []
     for r in rows:
         out.append(r)
-        if r.get("error") or not r.get("task") or "#" in r["task"]:
+        if r.get("error") or not r.get("task"):
+            continue
+        key = RequestKey.of(r)
+        if key.part is not None:  # a chunked task's map/reduce note: one sample
             continue
         n = row_sampling(r).get("n") or getattr(task_sampling(spec, r["task"]), "n", None) or 1
-        out.extend({**r, "task": f"{r['task']}{SAMPLE_SEP}{i}", "seed": int(r["seed"]) + i} for i in range(1, int(n)))
+        out.extend({**r, "task": key.with_sample(i).name, "seed": int(r["seed"]) + i} for i in range(1, int(n)))
     return out
 
 
@@ -63,11 +61,12 @@ def request_sampling(spec, row: dict) -> dict:
     job's sampling, the task's own over it, the row's own over that; the seed is the row's
     (derived per document and task) and only when sampling is random."""
     smp = task_sampling(spec, row["task"])
+    note = RequestKey.of(row).part is not None  # a chunked task's map/reduce request
     item = {"temperature": smp.temperature, "top_p": smp.top_p, "top_k": smp.top_k,
             **({"stop": list(smp.stop)} if smp.stop else {})}
     for k in EXTRA_KEYS:
         v = getattr(smp, k, None)
-        if v is not None and not ("#" in row["task"] and k in NOTE_OFF):
+        if v is not None and not (note and k in NOTE_OFF):
             item[k] = v
     item.update(row_sampling(row))
     item.pop("n", None)  # n samples are n rows (expand_samples)

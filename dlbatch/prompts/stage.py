@@ -24,10 +24,6 @@ from dlbatch.prompts.sampling import expand_samples, task_sampling
 
 log = logging.getLogger("dlbatch.prompts.stage")
 
-REQUEST_COLUMNS = ["doc_id", "source", "title", "pages", "task", "task_index", "prompt_ids", "max_tokens",
-                   "truncated", "seed", "text", "stage", "error_type", "error",
-                   "long_input_policy", "doc_tokens", "kept_tokens", "chunk_index", "chunk_count", "chunk_plan",
-                   "columns", "sampling"]
 MIDDLE_MARK = "\n\n[...]\n\n"   # where ``long_inputs: middle`` dropped the middle of a document
 
 
@@ -58,18 +54,14 @@ class PromptStage:
 
     def __init__(self, spec, skip_doc_ids=None, map_reduce: bool = False):
         """``spec``: the validated job (`dlbatch.jobspec.JobSpec`; pickled to Ray Data's actors)."""
+        from dlbatch.prompts.encoder import PromptEncoder
         from dlbatch.prompts.skip import SkipSet
         from dlbatch.prompts.templates import compile_messages, compile_task_templates
 
         self.spec = spec
         m = self.spec.model
         self.tok, self.max_model_len = model_limits(m)
-        self.template = None
-        if m.chat_template is not None:
-            with open(m.chat_template, encoding="utf-8") as f:
-                self.template = f.read()
-        has_template = self.template is not None or self.tok.chat_template is not None
-        self.chat = has_template if m.chat is None else bool(m.chat)
+        self.encoder = PromptEncoder.for_job(spec, self.tok)  # every prompt's way to token ids
         # one renderer per task: a task whose prompt cannot be rendered for a document fails alone
         self.renders = [compile_task_templates([t]) if t.prompt is not None else None for t in self.spec.tasks]
         self.chats = [compile_messages(t.name, t.messages) if t.messages is not None else None for t in self.spec.tasks]
@@ -80,30 +72,6 @@ class PromptStage:
         self.map_reduce = map_reduce   # True: `chunk` documents become ChunkPlan map rows
         # ids not to redo: a SkipSet (8 bytes per id) from the driver, or any iterable of ids
         self.skip = skip_doc_ids if isinstance(skip_doc_ids, SkipSet) else SkipSet(skip_doc_ids or ())
-
-    def _encode(self, k: int, prompt) -> list[int]:
-        """Task k's prompt -> token ids: raw, or through the chat template with the task's
-        (else the job's) system prompt and template kwargs. The system message comes
-        before the document, so it is part of the prefix the tasks share only when every
-        task has the same one. A chat (a ``messages`` task: a list) goes through the chat
-        template as it is, the system prompt first unless it has its own."""
-        t, m = self.spec.tasks[k], self.spec.model
-        system = t.system if t.system is not None else m.system
-        if isinstance(prompt, list):
-            if not self.chat:
-                raise ValueError(f"task {t.name!r} gives messages, but the model has no chat template "
-                                 "(set model.chat_template)")
-            has_system = any(x["role"] in ("system", "developer") for x in prompt)
-            messages = ([{"role": "system", "content": system}] if system and not has_system else []) + prompt
-            text = self.tok.apply_chat_template(messages, template=self.template,
-                                                **{**m.chat_template_kwargs, **t.chat_template_kwargs})
-            return self.tok.encode(text, add_special_tokens=False)
-        if t.raw or not self.chat:
-            return self.tok.encode(prompt)
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        text = self.tok.apply_chat_template(messages, template=self.template,
-                                            **{**m.chat_template_kwargs, **t.chat_template_kwargs})
-        return self.tok.encode(text, add_special_tokens=False)
 
     def _render(self, k: int, ctx: dict):
         """Task k's prompt text, or its chat (a list of messages) for a ``messages`` task."""
@@ -169,7 +137,7 @@ class PromptStage:
         errors: dict[int, Exception] = {}
         for k in range(len(tasks)):
             try:
-                ids[k] = self._encode(k, self._render(k, ctx))
+                ids[k] = self.encoder.encode(k, self._render(k, ctx))
             except Exception as e:
                 errors[k] = e
         if not ids:
@@ -237,7 +205,7 @@ class PromptStage:
             req = translate(cols.get("url"), json.loads(cols.get("body") or "null"), self.spec.model.name)
         except InvalidRequest as e:
             return [self._error(base, "prompt", e.code, str(e)[:500])]
-        ids = self._encode(0, req["messages"]) if req["chat"] else self.tok.encode(req["prompt"])
+        ids = self.encoder.encode(0, req["messages"]) if req["chat"] else self.tok.encode(req["prompt"])
         limit, task = self.max_model_len, self.spec.tasks[0]
         max_tokens = req["max_tokens"]
         if max_tokens is None:
@@ -280,7 +248,7 @@ class PromptStage:
         from dlbatch.prompts.longdoc import ChunkPlan
 
         c, spec = self.spec.chunking, self.spec
-        plan = ChunkPlan(ctx, tasks, self.tok, max_model_len=self.max_model_len, chat=self.chat,
+        plan = ChunkPlan(ctx, tasks, self.encoder, max_model_len=self.max_model_len,
                          chunk_tokens=c.chunk_tokens, overlap_tokens=c.overlap_tokens, map_prompt=c.map_prompt,
                          reduce_prompt=c.reduce_prompt, map_max_tokens=c.map_max_tokens)
         state = json.dumps(plan.to_state())
@@ -302,14 +270,15 @@ class PromptStage:
         text_ids = self.tok.encode(ctx["text"], add_special_tokens=False)
         body = document_context(ctx)["text_without_references"]
         body_ids = text_ids if body == ctx["text"] else self.tok.encode(body, add_special_tokens=False)
-        empty = {k: self._encode(k, self._render(k, {**ctx, "text": "", "text_without_references": ""})) for k in ks}
+        empty = {k: self.encoder.encode(k, self._render(k, {**ctx, "text": "", "text_without_references": ""}))
+                 for k in ks}
         budget = min(limit - tasks[k].max_tokens - len(empty[k]) for k in ks) - 8
         if budget <= 0:
             raise ValueError(f"the task prompts alone need more than max_model_len {limit} tokens")
         n = min(len(text_ids), budget)
         while True:
             cut = {"text": self._cut(text_ids, n, policy), "text_without_references": self._cut(body_ids, n, policy)}
-            ids = {k: self._encode(k, self._render(k, {**ctx, **cut})) for k in ks}
+            ids = {k: self.encoder.encode(k, self._render(k, {**ctx, **cut})) for k in ks}
             if all(len(ids[k]) <= limit - tasks[k].max_tokens for k in ks) or n <= 0:
                 return ids, {"long_input_policy": policy, "doc_tokens": len(text_ids), "kept_tokens": n}
             n -= max(8, n // 50)
