@@ -79,6 +79,7 @@ class JobRunner:
         from connectors.io_retry import retry_count
         import pyarrow as pa
 
+        from connectors.formats import input_format
         from connectors.versions import input_versions, versions_digest
         from dlbatch.prompts.skip import SkipSet
         from dlbatch.jobspec import check_resume_compatible, content_fields, fingerprint_fields, job_fingerprint
@@ -106,7 +107,7 @@ class JobRunner:
 
         check_columns(spec, files)  # a column a template or keep_columns names: there before anything runs
         listed = set(files)
-        by_file = spec.input.format in ("pdf", "text")  # one document per file: a source is done when it is
+        by_file = input_format(spec.input.format).one_doc_per_file  # a source is done when its document is
         if spec.input.limit is not None and by_file:
             files = files[:spec.input.limit]
         report.startup.start("input_versions")
