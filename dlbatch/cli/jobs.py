@@ -149,12 +149,12 @@ def cmd_compact(args) -> int:
     spec = _load(args)
     if spec is None:
         return EXIT_INVALID
+    from dlbatch.output import open_store
     from dlbatch.output.lease import LeaseHeld
-    from dlbatch.output.delta_store import open_store
 
-    store = open_store(spec.output)
+    store = open_store(spec.output)  # the format that wrote the output (its manifest): a Delta table compacts as one
     try:
-        store.take_lease(spec.name, "compact")  # never beside a run or another compaction
+        store.files.take_lease(spec.name, "compact")  # never beside a run or another compaction
     except LeaseHeld as e:
         print(f"compaction not started: {e}", file=sys.stderr)
         return EXIT_BUSY
@@ -165,7 +165,7 @@ def cmd_compact(args) -> int:
               f"(rerun to finish)", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        store.release_lease()
+        store.files.release_lease()
     print(f"{spec.output.path}: {res['merged_parts']} small parts merged into {res['parts_written']} "
           f"({res['parts_before']} small parts before)")
     return EXIT_OK
@@ -180,13 +180,12 @@ def cmd_export(args) -> int:
         print(f"dlbatch export writes OpenAI batch files: job {spec.name!r} has output.format {spec.output.format}, "
               "not openai_batch", file=sys.stderr)
         return EXIT_INVALID
-    from dlbatch.output import openai_export
-    from dlbatch.output.delta_store import open_store
+    from dlbatch.output import open_store, openai_export
     from dlbatch.output.lease import LeaseHeld
 
     store = open_store(spec.output)
     try:
-        store.take_lease(spec.name, "export")
+        store.files.take_lease(spec.name, "export")
     except LeaseHeld as e:
         print(f"export not started: {e}", file=sys.stderr)
         return EXIT_BUSY
@@ -196,7 +195,7 @@ def cmd_export(args) -> int:
         print(f"export failed: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        store.release_lease()
+        store.files.release_lease()
     print(f"{spec.output.path}: {n['results']} lines in {openai_export.RESULTS_FILE}, {n['errors']} in "
           f"{openai_export.ERRORS_FILE}")
     return EXIT_OK

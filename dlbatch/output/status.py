@@ -10,9 +10,10 @@ from __future__ import annotations
 def job_status(spec) -> dict:
     """The job's counts: documents total/done/failed/pending, rows, tokens, complete."""
     from connectors import list_inputs
-    from dlbatch.output.delta_store import open_store
+    from dlbatch.output import open_store
+    from dlbatch.output.files import MANIFEST
 
-    store = open_store(spec.output)
+    store = open_store(spec.output)  # the format that wrote the output (its manifest), else the job's
     tasks = {t.name for t in spec.tasks}
     prog = store.progress(tasks=tasks)  # from the parts' index files
     files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
@@ -30,7 +31,7 @@ def job_status(spec) -> dict:
                                 text_field=spec.input.text_field, id_field=spec.input.id_field)
             if total >= stop:
                 break
-    manifest = store.read_json("_manifest.json") or {}
+    manifest = store.files.read_json(MANIFEST) or {}
     return {"job": spec.name, "output": spec.output.path, "docs_total": total, "docs_done": prog["n_done"],
             "docs_failed": prog["n_failed"], "docs_pending": max(0, total - prog["n_done"] - prog["n_failed"]),
             "rows": prog["rows"], "duplicate_rows": prog["duplicates"], "prompt_tokens": prog["prompt_tokens"],
