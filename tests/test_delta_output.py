@@ -360,7 +360,8 @@ def test_compact_of_a_parquet_output_asked_as_delta_compacts_parts(tmp_path, cap
 
 def test_a_run_of_another_format_is_refused_before_it_changes_anything(tmp_path, capsys):
     """A run whose job asks Parquet parts on an output holding a Delta table (here committed
-    through the store: no manifest) exits 2 naming both formats; nothing of the table changes."""
+    through the store: no manifest) exits 2 naming both formats; nothing of the table changes.
+    `dlbatch validate` says the same."""
     from dlbatch.cli import main
 
     out = tmp_path / "out"
@@ -376,3 +377,5 @@ def test_a_run_of_another_format_is_refused_before_it_changes_anything(tmp_path,
     assert rc == 2, err
     assert "holds a Delta table" in err and "output.format=delta" in err and "--fresh" in err
     assert snapshot() == before
+    assert main(["validate", "jobs/papers.yaml", "--set", f"output.path={out}"]) == 2
+    assert "holds a Delta table" in capsys.readouterr().err
