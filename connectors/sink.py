@@ -21,7 +21,7 @@ Compaction records: ``dest/_compact/<name>.json`` = ``{"merged": M, "replaces": 
 says the part ``M`` holds every row of the parts ``S``. While such a record exists and ``M``
 is committed, readers skip the parts ``S`` still present; when ``M`` is not there (a crash
 before it was written) the record is ignored and ``S`` are the truth. So a compaction that
-stops at any step leaves every row visible exactly once (see dlbatch.output.parquet_store.compact).
+stops at any step leaves every row visible exactly once (see dlbatch.output.compaction).
 """
 
 from __future__ import annotations

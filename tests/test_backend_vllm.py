@@ -91,9 +91,9 @@ def features(ray_local, sample_model, tmp_path_factory):
     path = d / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     rep = _run(str(path), str(d / "out"), VLLM)
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
-    store = OutputStore(str(d / "out"))
+    store = ParquetStore(str(d / "out"))
     return rep, store.results(), store.errors().to_pylist()
 
 

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from dlbatch.output.parquet_store import INDEX_DIR, OutputStore
+from dlbatch.output.parquet_store import ParquetStore
+from dlbatch.output.parts import INDEX_DIR
 from dlbatch.testing.faultfs import FaultPlan, SimulatedCrash, install
 
 ROW = {"output": "some output text " * 20, "prompt_tokens": 10, "output_tokens": 2, "finish_reason": "length",
@@ -26,7 +27,7 @@ def _fill(store, n_parts: int, docs_per_part: int = 2):
     expected = []
     for p in range(n_parts):
         rows = [r for d in range(docs_per_part) for r in _doc_rows(f"d{p:03d}-{d}")]
-        store.commit_results(rows, include_text=False)
+        store.commit(rows, [], include_text=False)
         expected += [(r["doc_id"], r["task"]) for r in rows]
     return sorted(expected)
 
@@ -44,12 +45,12 @@ def plan():
 
 # ------------------------------------------------------------------------------ the index
 def test_progress_reads_index_files_not_the_parts(tmp_path, monkeypatch):
-    store = OutputStore(str(tmp_path / "out"))
+    store = ParquetStore(str(tmp_path / "out"))
     expected = _fill(store, 5)
     assert len(os.listdir(tmp_path / "out" / INDEX_DIR)) >= 5
     read = []
-    real = store.fs.cat_file
-    monkeypatch.setattr(store.fs, "cat_file", lambda p, *a, **k: (read.append(p), real(p, *a, **k))[1])
+    real = store.files.fs.cat_file
+    monkeypatch.setattr(store.files.fs, "cat_file", lambda p, *a, **k: (read.append(p), real(p, *a, **k))[1])
     prog = store.progress(tasks=set(TASKS))
     assert prog["rows"] == len(expected) == 20 and prog["duplicates"] == 0
     assert prog["n_done"] == 10 and prog["prompt_tokens"] == 200 and prog["output_tokens"] == 40
@@ -58,7 +59,7 @@ def test_progress_reads_index_files_not_the_parts(tmp_path, monkeypatch):
 
 
 def test_part_without_index_is_read_for_its_id_columns(tmp_path):
-    store = OutputStore(str(tmp_path / "out"))
+    store = ParquetStore(str(tmp_path / "out"))
     expected = _fill(store, 3)
     idx = tmp_path / "out" / INDEX_DIR
     os.remove(idx / sorted(f for f in os.listdir(idx) if f.endswith(".parquet"))[0])  # a crash between part and index
@@ -67,9 +68,9 @@ def test_part_without_index_is_read_for_its_id_columns(tmp_path):
 
 
 def test_sources_done_only_when_all_their_docs_are(tmp_path):
-    store = OutputStore(str(tmp_path / "out"))
-    store.commit_results(_doc_rows("a1", "a.txt") + _doc_rows("b1", "b.txt"), False)
-    store.commit_results([{**ROW, "doc_id": "c1", "source": "c.txt", "task": "summary"}], False)  # one task of two
+    store = ParquetStore(str(tmp_path / "out"))
+    store.commit(_doc_rows("a1", "a.txt") + _doc_rows("b1", "b.txt"), [], False)
+    store.commit([{**ROW, "doc_id": "c1", "source": "c.txt", "task": "summary"}], [], False)  # one task of two
     store.commit_errors([{"doc_id": "b2", "source": "b.txt", "stage": "parse", "error_type": "E", "error": "x"}])
     store.commit_errors([{"doc_id": "d1", "source": "d.txt", "stage": "parse", "error_type": "E", "error": "x"}])
     prog = store.progress(tasks=set(TASKS))
@@ -79,10 +80,10 @@ def test_sources_done_only_when_all_their_docs_are(tmp_path):
 
 # ---------------------------------------------------------------- commits that report errors
 def test_rename_landed_reply_lost_commits_once(tmp_path, plan):
-    store = OutputStore(f"faultfile://{tmp_path}/out")
+    store = ParquetStore(f"faultfile://{tmp_path}/out")
     plan.reply_lost = 2  # the mv happens, its reply is lost; retried, the source is gone
-    store.commit_results(_doc_rows("a"), False)
-    store.commit_results(_doc_rows("a"), False)  # the driver retrying the same rows: same name, skipped
+    store.commit(_doc_rows("a"), [], False)
+    store.commit(_doc_rows("a"), [], False)  # the driver retrying the same rows: same name, skipped
     assert plan.injected["reply_lost"] == 2
     assert len(_top_parts(tmp_path / "out")) == 1
     assert _keys(store.results()) == sorted(("a", t) for t in TASKS)
@@ -92,13 +93,13 @@ def test_commit_error_that_escapes_then_larger_retry_has_no_duplicate(tmp_path, 
     import connectors.sink as sink
 
     monkeypatch.setattr(sink, "_landed", lambda *a: False)  # the check after the error fails too
-    store = OutputStore(f"faultfile://{tmp_path}/out")
+    store = ParquetStore(f"faultfile://{tmp_path}/out")
     plan.reply_lost, plan.error = 1, PermissionError  # permanent: not retried, the error escapes
     with pytest.raises(PermissionError):
-        store.commit_results(_doc_rows("a"), False)
+        store.commit(_doc_rows("a"), [], False)
     assert len(_top_parts(tmp_path / "out")) == 1  # it did land
     # the driver's next flush: the same rows plus newly finished ones, so another part name
-    store.commit_results(_doc_rows("a") + _doc_rows("b"), False)
+    store.commit(_doc_rows("a") + _doc_rows("b"), [], False)
     keys = _keys(store.results())
     assert keys == sorted((d, t) for d in "ab" for t in TASKS) and store.progress()["duplicates"] == 0
     # dead letters likewise
@@ -111,22 +112,22 @@ def test_commit_error_that_escapes_then_larger_retry_has_no_duplicate(tmp_path, 
 
 
 def test_disk_full_mid_commit_then_retry_exactly_once(tmp_path, plan):
-    store = OutputStore(f"faultfile://{tmp_path}/out")
-    store.commit_results(_doc_rows("a"), False)
+    store = ParquetStore(f"faultfile://{tmp_path}/out")
+    store.commit(_doc_rows("a"), [], False)
     plan.enospc_after = plan.written + 100  # the next part does not fit
     with pytest.raises(OSError) as ei:
-        store.commit_results(_doc_rows("b"), False)
+        store.commit(_doc_rows("b"), [], False)
     assert ei.value.errno == 28 and plan.injected["enospc"] == 1
     assert _keys(store.results()) == sorted(("a", t) for t in TASKS)  # the half file is not visible
     plan.enospc_after = None  # space freed
-    store.commit_results(_doc_rows("b"), False)
+    store.commit(_doc_rows("b"), [], False)
     assert _keys(store.results()) == sorted((d, t) for d in "ab" for t in TASKS)
 
 
 def test_disk_full_after_the_part_costs_only_its_index(tmp_path, plan):
-    store = OutputStore(f"faultfile://{tmp_path}/out")
+    store = ParquetStore(f"faultfile://{tmp_path}/out")
     plan.full_after_commits = 1  # full right after the part's rename: its index cannot be written
-    store.commit_results(_doc_rows("a"), False)
+    store.commit(_doc_rows("a"), [], False)
     assert plan.injected["enospc"] >= 1
     plan.enospc_after = None
     prog = store.progress(tasks=set(TASKS))
@@ -135,18 +136,18 @@ def test_disk_full_after_the_part_costs_only_its_index(tmp_path, plan):
 
 @pytest.mark.parametrize("crash_at", range(0, 6))
 def test_crash_at_every_step_of_a_commit(tmp_path, plan, crash_at):
-    store = OutputStore(f"faultfile://{tmp_path}/out")
-    store.commit_results(_doc_rows("a"), False)
+    store = ParquetStore(f"faultfile://{tmp_path}/out")
+    store.commit(_doc_rows("a"), [], False)
     plan.crash_after = plan.mutations + crash_at
     try:
-        store.commit_results(_doc_rows("b"), False)
+        store.commit(_doc_rows("b"), [], False)
     except SimulatedCrash:
         pass
     plan.crash_after = None
-    rerun = OutputStore(f"faultfile://{tmp_path}/out")  # a new driver: resumes from what is committed
+    rerun = ParquetStore(f"faultfile://{tmp_path}/out")  # a new driver: resumes from what is committed
     done = rerun.progress(tasks=set(TASKS))["done_ids"].to_pylist()
     if "b" not in done:
-        rerun.commit_results(_doc_rows("b"), False)
+        rerun.commit(_doc_rows("b"), [], False)
     assert _keys(rerun.results()) == sorted((d, t) for d in "ab" for t in TASKS)
 
 
@@ -154,7 +155,7 @@ def test_crash_at_every_step_of_a_commit(tmp_path, plan, crash_at):
 def test_compaction_merges_small_parts_keeps_every_row_once(tmp_path):
     from connectors.sink import read_committed
 
-    store = OutputStore(str(tmp_path / "out"))
+    store = ParquetStore(str(tmp_path / "out"))
     expected = _fill(store, 20)
     before = sorted(map(json.dumps, store.results().select(["doc_id", "task", "output"]).to_pylist()))
     assert store.compact(min_parts=30)["merged_parts"] == 0  # 20 parts: under the threshold
@@ -171,7 +172,7 @@ def _crash_compaction(tmp_path, plan, crash_at):
     from connectors.sink import read_committed
 
     out = f"faultfile://{tmp_path}/out"
-    store = OutputStore(out)
+    store = ParquetStore(out)
     expected = _fill(store, 6)
     plan.crash_after = plan.mutations + crash_at
     crashed = False
@@ -181,11 +182,11 @@ def _crash_compaction(tmp_path, plan, crash_at):
         crashed = True
     plan.crash_after = None
     # readers (ours and the plain sink reader) see each row exactly once at the crash point
-    assert _keys(OutputStore(out).results()) == expected
+    assert _keys(ParquetStore(out).results()) == expected
     assert _keys(read_committed(out)) == expected
-    assert _keys(OutputStore(out).index()) == expected
-    OutputStore(out).compact(min_parts=2, target_rows=1000)  # the next job end recovers and finishes
-    assert _keys(OutputStore(out).results()) == expected and len(_top_parts(tmp_path / "out")) == 1
+    assert _keys(ParquetStore(out).index()) == expected
+    ParquetStore(out).compact(min_parts=2, target_rows=1000)  # the next job end recovers and finishes
+    assert _keys(ParquetStore(out).results()) == expected and len(_top_parts(tmp_path / "out")) == 1
     assert len(os.listdir(tmp_path / "out" / INDEX_DIR)) == 2  # the merged part's index (+ _tmp)
     return crashed
 
@@ -201,19 +202,19 @@ def test_compaction_crash_at_every_step_leaves_rows_exactly_once(tmp_path, plan)
 def test_list_committed_hides_replaced_parts_only_when_the_merged_part_exists(tmp_path):
     from connectors.sink import list_committed
 
-    store = OutputStore(str(tmp_path / "out"))
+    store = ParquetStore(str(tmp_path / "out"))
     _fill(store, 2)
     names = _top_parts(tmp_path / "out")
-    store.write_json("_compact/part-cX.json", {"merged": "part-cX.parquet", "replaces": names})
+    store.files.write_json("_compact/part-cX.json", {"merged": "part-cX.parquet", "replaces": names})
     assert len(list_committed(str(tmp_path / "out"))) == 2  # merged part not there: the record is ignored
     (tmp_path / "out" / "part-cX.parquet").write_bytes((tmp_path / "out" / names[0]).read_bytes())
     assert [os.path.basename(u) for u in list_committed(str(tmp_path / "out"))] == ["part-cX.parquet"]
 
 
 def test_clear_removes_index_and_compaction_records(tmp_path):
-    store = OutputStore(str(tmp_path / "out"))
+    store = ParquetStore(str(tmp_path / "out"))
     _fill(store, 3)
-    store.write_json("_compact/part-cY.json", {"merged": "part-cY.parquet", "replaces": []})
+    store.files.write_json("_compact/part-cY.json", {"merged": "part-cY.parquet", "replaces": []})
     (tmp_path / "out" / "keep.txt").write_text("x")
     store.clear()
     left = sorted(os.path.relpath(os.path.join(d, f), tmp_path / "out") for d, _, fs in os.walk(tmp_path / "out")

@@ -3,6 +3,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+REPO_SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "papers"
 
 
 def test_help_is_fast():
@@ -27,7 +30,7 @@ def test_ctrl_c_says_what_is_committed_and_that_a_rerun_resumes(tmp_path, monkey
     holds and that rerunning resumes (it used to print only 'interrupted')."""
     from dlbatch.cli.main import main
     from dlbatch.driver import runner
-    from dlbatch.output.delta_store import open_store
+    from dlbatch.output import open_store
     from dlbatch.jobspec import load_job
 
     out = tmp_path / "out"
@@ -44,3 +47,27 @@ def test_ctrl_c_says_what_is_committed_and_that_a_rerun_resumes(tmp_path, monkey
     assert main(["run", "jobs/papers.yaml", "--set", f"output.path={out}"]) == 130
     err = capsys.readouterr().err
     assert "interrupted: 2 documents committed in" in err and "rerun the same command to resume" in err, err
+
+
+def test_status_after_a_limited_run_is_not_complete(tmp_path, capsys):
+    """A run with input.limit 3 completes; `dlbatch status` of the job without the limit says
+    3 done, 5 pending, and that the job is not complete (it said 'complete')."""
+    from dlbatch.cli.main import main
+    from dlbatch.jobspec import load_job
+    from dlbatch.output import open_store
+
+    out = tmp_path / "out"
+    spec = load_job("jobs/papers.yaml", [f"output.path={out}", "input.limit=3"])
+    papers = sorted(p.name for p in (REPO_SAMPLES).iterdir() if p.suffix == ".pdf")[:3]
+    row = {"output": "x", "prompt_tokens": 3, "output_tokens": 1, "finish_reason": "stop", "truncated": False,
+           "model": "m", "ttft_s": 0.1, "latency_s": 0.2}
+    store = open_store(spec.output)
+    store.commit([{**row, "doc_id": p, "source": str(REPO_SAMPLES / p), "task": t.name}
+                  for p in papers for t in spec.tasks], [], include_text=False)
+    store.files.write_json("_manifest.json", {"name": spec.name, "limit": 3, "complete": True})
+    assert main(["status", "jobs/papers.yaml", "--set", f"output.path={out}"]) == 0
+    text = capsys.readouterr().out
+    assert "3 done, 0 failed, 5 pending (of 8)" in text, text
+    assert "state: incomplete: the last run completed with input.limit 3" in text, text
+    assert main(["status", "jobs/papers.yaml", "--set", f"output.path={out}", "--set", "input.limit=3"]) == 0
+    assert "state: complete" in capsys.readouterr().out

@@ -15,8 +15,11 @@ import pytest
 
 deltalake = pytest.importorskip("deltalake")
 
-from dlbatch.output.delta_store import DeltaOutputStore, delta_storage_options, open_store  # noqa: E402
-from dlbatch.output.parquet_store import ERRORS_DIR, OutputStore  # noqa: E402
+from dlbatch.output import open_store, run_store  # noqa: E402
+from dlbatch.output.dead_letters import ERRORS_DIR  # noqa: E402
+from dlbatch.output.delta_store import DeltaStore, delta_storage_options  # noqa: E402
+from dlbatch.output.parquet_store import ParquetStore  # noqa: E402
+from dlbatch.output.rows import result_table  # noqa: E402
 from tests.helpers.jobs import (REPO, SEQ, cli_sets, cli_status, kill_group_and_ray, ray_env,  # noqa: E402
                                 start_run)
 
@@ -67,12 +70,12 @@ def _fill(store):
 # --------------------------------------------------------------------------------- commit and read
 def test_commit_progress_and_readers_see_exactly_the_rows(tmp_path):
     out = str(tmp_path / "out")
-    store = DeltaOutputStore(out)
+    store = DeltaStore(out)
     assert store.progress(tasks=set(TASKS))["rows"] == 0  # no table yet
     _fill(store)
     expected = sorted([(d, t) for d in ("d1", "d2", "d5") for t in TASKS] + [("d3", "summary")])
     assert _reader_keys(out) == expected
-    prog = DeltaOutputStore(out).progress(tasks=set(TASKS))
+    prog = DeltaStore(out).progress(tasks=set(TASKS))
     assert (prog["rows"], prog["n_done"], prog["n_failed"], prog["duplicates"]) == (7, 4, 1, 0)
     assert sorted(prog["done_ids"].to_pylist()) == ["d1", "d2", "d3", "d5"] and prog["failed_ids"].to_pylist() == ["d4"]
     assert prog["prompt_tokens"] == 70 and prog["sources"] == {"a.jsonl", "b.jsonl"}
@@ -83,14 +86,14 @@ def test_commit_progress_and_readers_see_exactly_the_rows(tmp_path):
     assert sorted(errs.column("doc_id").to_pylist()) == ["d3", "d4"]
     assert _pending(out) == []  # published, then removed
     # bookkeeping stays beside the table: Delta readers ignore the _ names
-    store.write_json("_manifest.json", {"fingerprint": "f"})
+    store.files.write_json("_manifest.json", {"fingerprint": "f"})
     assert _reader_keys(out) == expected
     assert _keys(store.results(["doc_id", "task"])) == expected
 
 
 def test_retried_commit_is_a_noop(tmp_path, monkeypatch):
     out = str(tmp_path / "out")
-    store = DeltaOutputStore(out)
+    store = DeltaStore(out)
     store.commit(_rows("d1"), [], include_text=False)
     real = deltalake.write_deltalake
     calls = []
@@ -112,19 +115,19 @@ def test_retried_commit_is_a_noop(tmp_path, monkeypatch):
     monkeypatch.setattr(deltalake, "write_deltalake", real)
     store.commit(_rows("d3", tasks=("summary",)) + _rows("d4"), [_err("d3", task="keywords")], include_text=False)
     # 3) the same transaction from another store (same app_id, same version): a no-op
-    again = DeltaOutputStore(out)
+    again = DeltaStore(out)
     again._app_id = store.app_id
-    again._append(store._result_table(_rows("d9"), False), 1)
+    again._append(result_table(_rows("d9"), False), 1)
     keys = _reader_keys(out)
     assert keys == sorted([(d, t) for d in ("d1", "d2", "d4") for t in TASKS] + [("d3", "summary")])
-    prog = DeltaOutputStore(out).progress(tasks=set(TASKS))
+    prog = DeltaStore(out).progress(tasks=set(TASKS))
     assert prog["duplicates"] == 0 and prog["n_done"] == 4 and prog["n_failed"] == 0
     assert store.errors().column("doc_id").to_pylist() == ["d3"]
 
 
 def test_dead_letters_count_only_when_their_transaction_landed(tmp_path, monkeypatch):
     out = str(tmp_path / "out")
-    store = DeltaOutputStore(out)
+    store = DeltaStore(out)
     store.commit(_rows("d1"), [], include_text=False)
     # crash after the transaction, before the dead letters' copy: still counted, then published
     monkeypatch.setattr(store, "_publish", lambda name: None)
@@ -140,7 +143,7 @@ def test_dead_letters_count_only_when_their_transaction_landed(tmp_path, monkeyp
         store.commit(_rows("d3", tasks=("summary",)), [_err("d3", task="keywords")], include_text=False)
     monkeypatch.undo()
     assert len(_pending(out)) == 2
-    rerun = DeltaOutputStore(out)
+    rerun = DeltaStore(out)
     prog = rerun.progress(tasks=set(TASKS))
     assert sorted(prog["done_ids"].to_pylist()) == ["d1", "d2"] and prog["n_failed"] == 0
     assert rerun.recover() == {"error_copies": 1, "pending_dropped": 1, "compactions": 0}
@@ -151,7 +154,7 @@ def test_dead_letters_count_only_when_their_transaction_landed(tmp_path, monkeyp
 
 def test_supersede_compact_and_fresh(tmp_path):
     out = tmp_path / "out"
-    store = DeltaOutputStore(str(out))
+    store = DeltaStore(str(out))
     _fill(store)
     for i in range(4):
         store.commit(_rows(f"e{i}", "c.txt"), [], include_text=False)
@@ -173,24 +176,25 @@ def test_supersede_compact_and_fresh(tmp_path):
     (out / "notes.txt").write_text("mine")
     (out / "year=2024").mkdir()
     (out / "year=2024" / "x.parquet").write_bytes(b"other job")
-    store.write_json("_manifest.json", {"name": "j"})
+    store.files.write_json("_manifest.json", {"name": "j"})
     assert store.clear() > 0
     assert not deltalake.DeltaTable.is_deltatable(str(out))
     left = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
     assert left == ["notes.txt", "year=2024/x.parquet"]  # (empty folders of ours may stay, as with Parquet)
-    assert DeltaOutputStore(str(out)).progress()["rows"] == 0
+    assert DeltaStore(str(out)).progress()["rows"] == 0
 
 
 # ------------------------------------------------------------------------------- the job file
 def test_job_file_format_selects_the_store_and_joins_the_fingerprint(tmp_path, monkeypatch):
     from dlbatch.jobspec import ResumeMismatchError, check_resume_compatible, fingerprint_fields, load_job
+    from dlbatch.output.store import Store
 
     spec = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}"])
     assert spec.output.format == "parquet" and "output.format" not in fingerprint_fields(spec)
-    assert type(open_store(spec.output)) is OutputStore
+    assert type(open_store(spec.output)) is ParquetStore and isinstance(open_store(spec.output), Store)
     delta = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", "output.format=delta"])
     assert fingerprint_fields(delta)["output.format"] == "delta"
-    assert isinstance(open_store(delta.output), DeltaOutputStore)
+    assert isinstance(open_store(delta.output), DeltaStore) and isinstance(open_store(delta.output), Store)
     with pytest.raises(ResumeMismatchError, match="output.format"):  # a Parquet output is not resumed as Delta
         check_resume_compatible(fingerprint_fields(spec), delta)
     with pytest.raises(Exception, match="format"):
@@ -204,7 +208,7 @@ def test_cli_status_and_compact_on_a_delta_output(tmp_path, capsys):
     from dlbatch.cli import main
 
     out = str(tmp_path / "out")
-    store = DeltaOutputStore(out)
+    store = DeltaStore(out)
     for i in range(3):
         store.commit(_rows(f"d{i}", tasks=("summary", "keywords", "question")), [], include_text=False)  # the job's
     sets = ["--set", f"output.path={out}", "--set", "output.format=delta"]  # the sample job's inputs
@@ -272,11 +276,11 @@ def test_driver_kill9_then_rerun_delta_exactly_once(sample_model, tmp_path, rayt
 def test_delta_output_on_s3(s3_bucket, s3_options):
     """On an object store (moto S3 here): the same commits, progress and a retry no-op."""
     url = f"s3://{s3_bucket}/out"
-    store = DeltaOutputStore(url, s3_options)
+    store = DeltaStore(url, s3_options)
     _fill(store)
-    again = DeltaOutputStore(url, s3_options)
+    again = DeltaStore(url, s3_options)
     again._app_id = store.app_id
-    again._append(store._result_table(_rows("d9"), False), 1)  # a committed transaction: no-op
+    again._append(result_table(_rows("d9"), False), 1)  # a committed transaction: no-op
     prog = again.progress(tasks=set(TASKS))
     assert (prog["rows"], prog["n_done"], prog["n_failed"], prog["duplicates"]) == (7, 4, 1, 0)
     dt = deltalake.DeltaTable(url, storage_options=store.delta_options)
@@ -286,19 +290,92 @@ def test_delta_output_on_s3(s3_bucket, s3_options):
 
 def test_fresh_as_parquet_removes_the_delta_log_of_a_delta_output(tmp_path):
     """A job that wrote a Delta table and now asks for Parquet parts (--fresh, another format):
-    the data files go and so does the Delta log, so no reader finds a table without its files;
-    another table's log (a manifest that is not a Delta job's) stays."""
-    from dlbatch.output.parquet_store import OutputStore
+    the output's manifest says Delta, so the Delta store deletes its own files, data files and
+    log, so no reader finds a table without its files; the run then writes Parquet parts on the
+    same folder and lease. Another table's log (a manifest that is not a Delta job's) stays."""
+    from dlbatch.jobspec import load_job
 
     out = tmp_path / "out"
-    store = DeltaOutputStore(str(out))
+    store = DeltaStore(str(out))
     _fill(store)
-    store.write_json("_manifest.json", {"name": "j", "fields": {"output.format": "delta"}})
-    assert OutputStore(str(out)).clear() > 0
+    store.files.write_json("_manifest.json", {"name": "j", "fields": {"output.format": "delta"}})
+    parquet = load_job("jobs/papers.yaml", [f"output.path={out}"]).output
+    written = open_store(parquet)  # what `dlbatch run --fresh` opens: the format that wrote the output
+    assert type(written) is DeltaStore
+    written.files.take_lease("j", "run --fresh")
+    assert written.clear() > 0
     assert not deltalake.DeltaTable.is_deltatable(str(out))
     assert not [p for p in out.rglob("*") if p.is_file() and "_delta_log" in p.parts]
+    fresh = run_store(written, parquet, cleared=True)
+    assert type(fresh) is ParquetStore and fresh.files is written.files  # one folder, one lease
+    fresh.commit(_rows("d1"), [], include_text=False)
+    assert _keys(ParquetStore(str(out)).results()) == [("d1", "keywords"), ("d1", "summary")]
+    written.files.release_lease()
     other = tmp_path / "other"
-    _fill(DeltaOutputStore(str(other)))
-    OutputStore(str(other)).write_json("_manifest.json", {"name": "j", "fields": {}})
-    OutputStore(str(other)).clear()
+    _fill(DeltaStore(str(other)))
+    ParquetStore(str(other)).files.write_json("_manifest.json", {"name": "j", "fields": {}})
+    other_store = open_store(load_job("jobs/papers.yaml", [f"output.path={other}"]).output)
+    assert type(other_store) is ParquetStore
+    other_store.clear()
     assert any((other / "_delta_log").iterdir())  # not ours to delete
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["run-manifest", "store-api"])
+def test_compact_of_a_delta_output_without_the_format_compacts_it_as_delta(tmp_path, capsys, manifest):
+    """`dlbatch compact JOB` on a Delta output whose job file does not say `output.format:
+    delta`: the command reads the output's manifest first (or, without one, finds the Delta
+    log) and compacts the table as Delta. No data file of the table is deleted: deltalake
+    reads every row, and the dead letters stay."""
+    from dlbatch.cli import main
+
+    out = str(tmp_path / "out")
+    store = DeltaStore(out)
+    _fill(store)  # three transactions: three data files
+    if manifest:
+        store.files.write_json("_manifest.json", {"name": "papers", "fields": {"output.format": "delta"}})
+    expected = _reader_keys(out)
+    assert main(["compact", "jobs/papers.yaml", "--set", f"output.path={out}"]) == 0
+    assert "3 small parts merged into 1" in capsys.readouterr().out
+    dt = deltalake.DeltaTable(out)
+    assert len(dt.file_uris()) == 1 and all(os.path.exists(u) for u in dt.file_uris())
+    assert _keys(deltalake.DeltaTable(out).to_pyarrow_table()) == expected == _reader_keys(out)
+    assert sorted(DeltaStore(out).errors().column("doc_id").to_pylist()) == ["d3", "d4"]
+
+
+def test_compact_of_a_parquet_output_asked_as_delta_compacts_parts(tmp_path, capsys):
+    """The other way round: a job file saying delta on an output of Parquet parts compacts
+    the parts (their format), and writes no Delta table."""
+    from dlbatch.cli import main
+
+    out = str(tmp_path / "out")
+    store = ParquetStore(out)
+    for i in range(3):
+        store.commit(_rows(f"d{i}"), [], include_text=False)
+    store.files.write_json("_manifest.json", {"name": "papers", "fields": {}})
+    assert main(["compact", "jobs/papers.yaml", "--set", f"output.path={out}", "--set", "output.format=delta"]) == 0
+    assert "3 small parts merged into 1" in capsys.readouterr().out
+    assert not deltalake.DeltaTable.is_deltatable(out)
+    assert len(ParquetStore(out).results()) == 6
+
+
+def test_a_run_of_another_format_is_refused_before_it_changes_anything(tmp_path, capsys):
+    """A run whose job asks Parquet parts on an output holding a Delta table (here committed
+    through the store: no manifest) exits 2 naming both formats; nothing of the table changes.
+    `dlbatch validate` says the same."""
+    from dlbatch.cli import main
+
+    out = tmp_path / "out"
+    _fill(DeltaStore(str(out)))
+
+    def snapshot():
+        return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*")
+                if p.is_file() and "_lease" not in p.parts}
+
+    before = snapshot()
+    rc = main(["run", "jobs/papers.yaml", "--no-progress", "--set", f"output.path={out}"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "holds a Delta table" in err and "output.format=delta" in err and "--fresh" in err
+    assert snapshot() == before
+    assert main(["validate", "jobs/papers.yaml", "--set", f"output.path={out}"]) == 2
+    assert "holds a Delta table" in capsys.readouterr().err

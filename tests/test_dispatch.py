@@ -335,7 +335,7 @@ def test_hung_input_source_fails_naming_what_it_waited_for(tmp_path):
     import time
 
     from dlbatch.driver.loop import DispatchLoop
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from dlbatch.workers.pools import JobFailed, WorkerPools
     from dlbatch.jobspec import load_job
     from dlbatch.report.metrics import JobMetrics
@@ -353,7 +353,7 @@ def test_hung_input_source_fails_naming_what_it_waited_for(tmp_path):
     pools.workers = {"colocated": [None]}
     t0 = time.time()
     tally = Tally(metrics=JobMetrics(spec.name), progress=Progress(spec.name, tty=False))
-    loop = DispatchLoop(spec, OutputStore(out), pools, HungStream(), RunReport(spec, None, t0), tally,
+    loop = DispatchLoop(spec, ParquetStore(out), pools, HungStream(), RunReport(spec, None, t0), tally,
                         input_timeout_s=1.0)
     with pytest.raises(JobFailed, match=r"no document came from the input pipeline \(list/parse/tokenize") as e:
         loop.run()

@@ -110,7 +110,7 @@ def test_the_feed_counts_only_the_document_not_its_duplicate():
 
 @pytest.mark.ray
 def test_job_with_one_id_in_two_files_and_a_rerun(ray_local, sample_model, tmp_path):
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from tests.helpers.jobs import output_rows, run_job
 
     src = tmp_path / "in"
@@ -125,7 +125,7 @@ def test_job_with_one_id_in_two_files_and_a_rerun(ray_local, sample_model, tmp_p
     assert sorted({r["doc_id"] for r in rows}) == ["p1", "p2"] and len(rows) == 6, rep
     p2 = {r["source"] for r in rows if r["doc_id"] == "p2"}
     assert len(p2) == 1
-    (err,) = OutputStore(out).errors().to_pylist()
+    (err,) = ParquetStore(out).errors().to_pylist()
     (other,) = {f"{src}/a.jsonl#line2", f"{src}/b.jsonl#line1"} - p2
     assert (err["source"], err["stage"], err["error_type"]) == (other, "read", "DuplicateId")
     assert err["doc_id"] == content_id(f"{other}\np2") and "'p2'" in err["error"] and next(iter(p2)) in err["error"]
@@ -135,4 +135,4 @@ def test_job_with_one_id_in_two_files_and_a_rerun(ray_local, sample_model, tmp_p
     run_job("jobs/papers_jsonl.yaml", out, extra)
     rows = output_rows(out)
     assert len(rows) == 9 and len({(r["doc_id"], r["task"]) for r in rows}) == 9
-    assert OutputStore(out).errors().num_rows == 1
+    assert ParquetStore(out).errors().num_rows == 1

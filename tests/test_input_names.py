@@ -94,7 +94,7 @@ def test_a_name_that_spells_an_escape_literally_still_opens(tmp_path):
 def test_job_over_a_folder_with_such_a_name_runs_and_reruns(ray_local, sample_model, tmp_path):
     """The job processes the file; the output names it as the listing does, so the runner
     counts it done; a rerun with one more file runs that file only."""
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from tests.helpers.jobs import output_rows, run_job
 
     d = _texts(tmp_path)
@@ -106,11 +106,11 @@ def test_job_over_a_folder_with_such_a_name_runs_and_reruns(ray_local, sample_mo
     bad = _escaped(d, BAD + b".txt")
     assert (rep["docs_ok"], rep["docs_failed"]) == (2, 0) and len(rows) == 6, rep
     assert {r["source"] for r in rows} == {str(d / "a.txt"), bad}
-    assert {str(d / "a.txt"), bad} <= OutputStore(out).progress()["sources_done"]
+    assert {str(d / "a.txt"), bad} <= ParquetStore(out).progress()["sources_done"]
 
     (d / "c.txt").write_text("Soil moisture limits the yield of rainfed wheat. " * 8)
     again = run_job("jobs/papers.yaml", out, extra)
     rows = output_rows(out)
     assert (again["docs_ok"], again["docs_failed"]) == (3, 0), again
     assert len(rows) == 9 and len({(r["doc_id"], r["task"]) for r in rows}) == 9
-    assert OutputStore(out).errors().num_rows == 0
+    assert ParquetStore(out).errors().num_rows == 0

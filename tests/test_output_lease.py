@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlbatch.output.lease import LEASE_DIR, LeaseHeld, LeaseLost, OutputLease
-from dlbatch.output.parquet_store import ERRORS_DIR, OutputStore
+from dlbatch.output.dead_letters import ERRORS_DIR
+from dlbatch.output.parquet_store import ParquetStore
 
 ROW = {"doc_id": "d1", "source": "a.pdf", "output": "x", "prompt_tokens": 3, "output_tokens": 1}
 ERR = {"doc_id": "d1", "source": "a.pdf", "task": "keywords", "stage": "generate", "error_type": "ConstraintError",
@@ -47,18 +48,18 @@ def test_a_second_writer_is_refused_with_the_holder_named(tmp_path):
 
 def test_a_stale_lease_is_taken_over_and_its_old_holder_commits_nothing_more(tmp_path):
     clock = Clock()
-    old = OutputStore(str(tmp_path))
-    old.lease = _lease(tmp_path, clock=clock, stale_s=60).acquire()
-    old.commit_results([{**ROW, "task": "summary"}], False)
+    old = ParquetStore(str(tmp_path))
+    old.files.take_lease("j", clock=clock, stale_s=60, heartbeat_s=20)
+    old.commit([{**ROW, "task": "summary"}], [], False)
     clock.t += 30  # heartbeat 30 s old: still held
     with pytest.raises(LeaseHeld):
         _lease(tmp_path, clock=clock, stale_s=60).acquire()
     clock.t += 31  # 61 s without a heartbeat: stale
     new = _lease(tmp_path, clock=clock, stale_s=60).acquire()
-    assert new.taken_over["owner"] == old.lease.token
+    assert new.taken_over["owner"] == old.files.lease.token
     with pytest.raises(LeaseLost, match="taken over"):
-        old.commit_results([{**ROW, "doc_id": "d2", "task": "summary"}], False)
-    assert [r["doc_id"] for r in OutputStore(str(tmp_path)).results().to_pylist()] == ["d1"]
+        old.commit([{**ROW, "doc_id": "d2", "task": "summary"}], [], False)
+    assert [r["doc_id"] for r in ParquetStore(str(tmp_path)).results().to_pylist()] == ["d1"]
     new.release()
 
 
@@ -87,35 +88,38 @@ def test_dlbatch_run_refuses_an_output_another_process_writes(tmp_path, capsys):
     from dlbatch.cli.main import main
 
     out = tmp_path / "out"
-    holder = OutputStore(str(out))
-    holder.take_lease("papers")
-    holder.commit_results([{**ROW, "task": "summary"}], False)
+    holder = ParquetStore(str(out))
+    holder.files.take_lease("papers")
+    holder.commit([{**ROW, "task": "summary"}], [], False)
     rc = main(["run", "jobs/papers.yaml", "--no-progress", "--set", f"output.path={out}"])
     err = capsys.readouterr().err
     assert rc == 3, err
     assert "in use by job 'papers'" in err and f"pid {os.getpid()}" in err
-    assert len(OutputStore(str(out)).results()) == 1
+    assert len(ParquetStore(str(out)).results()) == 1
     rc = main(["compact", "jobs/papers.yaml", "--set", f"output.path={out}"])
     assert rc == 3 and "compaction not started" in capsys.readouterr().err
-    holder.release_lease()
+    holder.files.release_lease()
 
 
 def test_a_documents_results_and_dead_letters_are_one_commit(tmp_path, monkeypatch):
     """A crash after the part with K-1 results but before the dead-letter copy: the
     document is still done (its dead letter is in the part's footer), and a resume writes
     the copy instead of redoing the document."""
-    store = OutputStore(str(tmp_path))
-    real = store._commit
+    import connectors.sink as sink
 
-    def crash_on_error_copy(table, dest, name):
+    store = ParquetStore(str(tmp_path))
+    real = sink.write_parquet_atomic
+
+    def crash_on_error_copy(table, dest, name, *a, **k):
         if dest.endswith(ERRORS_DIR):
             raise OSError(28, "No space left on device")
-        return real(table, dest, name)
+        return real(table, dest, name, *a, **k)
 
-    monkeypatch.setattr(store, "_commit", crash_on_error_copy)
+    monkeypatch.setattr(sink, "write_parquet_atomic", crash_on_error_copy)
     with pytest.raises(OSError):
         store.commit([{**ROW, "task": "summary"}, {**ROW, "task": "question"}], [ERR], False)
-    rerun = OutputStore(str(tmp_path))
+    monkeypatch.undo()
+    rerun = ParquetStore(str(tmp_path))
     prog = rerun.progress(tasks={"summary", "question", "keywords"})
     assert prog["done_ids"].to_pylist() == ["d1"]  # nothing to redo: keywords' outcome is its dead letter
     assert rerun.recover()["error_copies"] == 1
@@ -128,27 +132,29 @@ def test_a_documents_results_and_dead_letters_are_one_commit(tmp_path, monkeypat
 
 
 def test_a_lost_reply_to_a_combined_commit_commits_its_dead_letters_once(tmp_path, monkeypatch):
-    store = OutputStore(str(tmp_path))
-    real = store._commit
+    import connectors.sink as sink
+
+    store = ParquetStore(str(tmp_path))
+    real = sink.write_parquet_atomic
     calls = []
 
-    def lost_reply(table, dest, name):
-        url = real(table, dest, name)
+    def lost_reply(table, dest, name, *a, **k):  # the part lands, the reply to its rename does not
+        url = real(table, dest, name, *a, **k)
         if not calls:
             calls.append(name)
-            store._uncertain.append((dest, name))
             raise ConnectionError("reply lost")
         return url
 
-    monkeypatch.setattr(store, "_commit", lost_reply)
+    monkeypatch.setattr(sink, "write_parquet_atomic", lost_reply)
     with pytest.raises(ConnectionError):
         store.commit([{**ROW, "task": "summary"}], [ERR], False)
     store.commit([{**ROW, "task": "summary"}], [ERR], False)  # the driver committing the same flush again
+    assert len(calls) == 1 and calls[0].endswith("-e.parquet")  # the lost reply was the combined part's
     assert len(store.results()) == 1 and len(store.errors()) == 1
 
 
 def test_compaction_keeps_dead_letters_of_parts_it_merges(tmp_path):
-    store = OutputStore(str(tmp_path))
+    store = ParquetStore(str(tmp_path))
     for i in range(4):
         store.commit([{**ROW, "doc_id": f"d{i}", "task": "summary"}], [{**ERR, "doc_id": f"d{i}"}], False)
     for f in (tmp_path / ERRORS_DIR).glob("part-*"):
@@ -159,9 +165,9 @@ def test_compaction_keeps_dead_letters_of_parts_it_merges(tmp_path):
 
 
 def test_fresh_deletes_only_this_jobs_files(tmp_path):
-    store = OutputStore(str(tmp_path))
+    store = ParquetStore(str(tmp_path))
     store.commit([{**ROW, "task": "summary"}], [ERR], False)
-    store.write_json("_manifest.json", {"name": "j"})
+    store.files.write_json("_manifest.json", {"name": "j"})
     for sub in ("year=2024", "other_job"):
         (tmp_path / sub).mkdir()
         (tmp_path / sub / "part-0001.parquet").write_bytes(b"someone else's")
@@ -210,13 +216,13 @@ def test_a_replaced_file_is_seen_even_when_size_and_mtime_are_kept(tmp_path):
 
 
 def test_supersede_removes_a_sources_rows_results_index_and_dead_letters(tmp_path):
-    store = OutputStore(str(tmp_path))
+    store = ParquetStore(str(tmp_path))
     store.commit([{**ROW, "task": "summary"}, {**ROW, "doc_id": "d2", "source": "b.pdf", "task": "summary"}],
                  [ERR], False)
     store.commit([{**ROW, "doc_id": "d3", "task": "summary"}], [], False)
     store.commit_errors([{**ERR, "doc_id": "d4", "source": "b.pdf"}])
     assert store.supersede({"a.pdf"}) == 2
-    rerun = OutputStore(str(tmp_path))
+    rerun = ParquetStore(str(tmp_path))
     assert [(r["doc_id"], r["source"]) for r in rerun.results().to_pylist()] == [("d2", "b.pdf")]
     assert [e["doc_id"] for e in rerun.errors().to_pylist()] == ["d4"]
     prog = rerun.progress()
@@ -226,20 +232,20 @@ def test_supersede_removes_a_sources_rows_results_index_and_dead_letters(tmp_pat
 
 
 def test_a_crash_inside_supersede_leaves_each_row_once_and_a_rerun_finishes(tmp_path, monkeypatch):
-    store = OutputStore(str(tmp_path))
+    store = ParquetStore(str(tmp_path))
     store.commit([{**ROW, "task": "summary"}, {**ROW, "doc_id": "d2", "source": "b.pdf", "task": "summary"}], [],
                  False)
-    real = store._rm
+    real = store.files.rm
 
     def crash(path):  # the rewritten part is committed, the old one not yet deleted
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(store, "_rm", crash)
+    monkeypatch.setattr(store.files, "rm", crash)
     with pytest.raises(KeyboardInterrupt):
         store.supersede({"a.pdf"})
-    monkeypatch.setattr(store, "_rm", real)
-    rerun = OutputStore(str(tmp_path))
+    monkeypatch.setattr(store.files, "rm", real)
+    rerun = ParquetStore(str(tmp_path))
     assert [r["doc_id"] for r in rerun.results().to_pylist()] == ["d2"]  # the record hides the old part
     rerun.supersede({"a.pdf"})
-    assert [r["doc_id"] for r in OutputStore(str(tmp_path)).results().to_pylist()] == ["d2"]
+    assert [r["doc_id"] for r in ParquetStore(str(tmp_path)).results().to_pylist()] == ["d2"]
     assert len([p for p in os.listdir(tmp_path) if p.startswith("part-")]) == 1

@@ -291,7 +291,7 @@ def test_parse_caps_in_the_job_file_defaults_and_validation(tmp_path):
 def test_job_over_jsonl_with_lone_surrogates_runs_and_reruns(ray_local, sample_model, tmp_path):
     """The issue's run: two rows with lone surrogates among three good ones. The job exits with
     every document done; a rerun is a no-op; a rerun after a new row runs only that row."""
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from tests.helpers.jobs import output_rows, run_job
 
     src = _jsonl(tmp_path)
@@ -308,7 +308,7 @@ def test_job_over_jsonl_with_lone_surrogates_runs_and_reruns(ray_local, sample_m
     assert (again["docs_ok"], again["docs_failed"]) == (6, 0), again
     rows = output_rows(out)
     assert len(rows) == 18 and len({(r["doc_id"], r["task"]) for r in rows}) == 18
-    assert OutputStore(out).errors().num_rows == 0
+    assert ParquetStore(out).errors().num_rows == 0
 
 
 @pytest.mark.ray
@@ -316,7 +316,7 @@ def test_dlbatch_run_with_a_crashing_and_a_hanging_pdf_parser(raytmp, sample_mod
     """`dlbatch run` over five PDFs, one whose parser segfaults and one whose parser hangs:
     exit 0, three papers done, two dead letters naming the cause; a rerun with one more paper
     parses only that paper (the dead-lettered files are not parsed again)."""
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from tests.helpers.jobs import output_rows, ray_env
 
     d = _pdf_dir(tmp_path)
@@ -337,7 +337,7 @@ def test_dlbatch_run_with_a_crashing_and_a_hanging_pdf_parser(raytmp, sample_mod
     run()
     done = {r["source"] for r in output_rows(out)}
     assert {os.path.basename(s) for s in done} == {"good-a.pdf", "good-b.pdf", "good-c.pdf"}
-    errs = {os.path.basename(e["source"]): e for e in OutputStore(out).errors().to_pylist()}
+    errs = {os.path.basename(e["source"]): e for e in ParquetStore(out).errors().to_pylist()}
     assert set(errs) == {"segv.pdf", "hang.pdf"}
     assert errs["segv.pdf"]["error_type"] == "ParseCrashed" and "SIGSEGV" in errs["segv.pdf"]["error"]
     assert errs["hang.pdf"]["error_type"] == "ParseTimeout" and "10 s" in errs["hang.pdf"]["error"]
@@ -346,4 +346,4 @@ def test_dlbatch_run_with_a_crashing_and_a_hanging_pdf_parser(raytmp, sample_mod
     shutil.copy(PAPERS / "rainfed_wheat_soil_moisture.pdf", d / "good-d.pdf")
     run()
     assert parse_faults.calls(d) == {f"{n}.pdf": 1 for n in ("good-a", "good-b", "good-c", "segv", "hang", "good-d")}
-    assert len(output_rows(out)) == 12 and OutputStore(out).errors().num_rows == 2
+    assert len(output_rows(out)) == 12 and ParquetStore(out).errors().num_rows == 2

@@ -14,9 +14,9 @@ SHORT = ["tasks.0.max_tokens=8", "tasks.1.max_tokens=6", "tasks.2.max_tokens=6",
 
 
 def _rows(out):
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
-    return OutputStore(out).results().to_pylist()
+    return ParquetStore(out).results().to_pylist()
 
 
 def _run(job, out, extra=(), **kw):
@@ -75,7 +75,7 @@ def test_colocated_equals_pd_greedy_through_every_transport(ray_local, sample_mo
 
 
 def test_jsonl_input_with_bad_rows_dead_lettered(ray_local, sample_model, tmp_path):
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
     src = tmp_path / "docs.jsonl"
     good = "Solar cells convert light into electricity. " * 20
@@ -86,14 +86,14 @@ def test_jsonl_input_with_bad_rows_dead_lettered(ray_local, sample_model, tmp_pa
     rep = _run("jobs/papers_jsonl.yaml", out, [f"input.path={src}", "input.id_field=id"])
     rows = _rows(out)
     assert sorted({r["doc_id"] for r in rows}) == ["a", "c"] and len(rows) == 6
-    errs = OutputStore(out).errors().to_pylist()
+    errs = ParquetStore(out).errors().to_pylist()
     assert len(errs) == 3 and rep["docs_failed"] == 3
     assert {e["error_type"] for e in errs} >= {"MissingField"}
     assert all(e["error"] for e in errs)
 
 
 def test_bad_pdfs_dead_lettered_good_ones_written(ray_local, sample_model, tmp_path):
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from tests.helpers.bad_inputs import build_bad_corpus
 
     corpus = build_bad_corpus(tmp_path / "corpus", oversized_pages=8)
@@ -102,7 +102,7 @@ def test_bad_pdfs_dead_lettered_good_ones_written(ray_local, sample_model, tmp_p
     rows = _rows(out)
     good = {k for k, v in corpus.pdf_expected.items() if v is None}
     assert {os.path.basename(r["source"]) for r in rows} == good and len(rows) == 3 * len(good)
-    errs = OutputStore(out).errors().to_pylist()
+    errs = ParquetStore(out).errors().to_pylist()
     want = {k: v for k, v in corpus.pdf_expected.items() if v is not None}
     got = {os.path.basename(e["source"]): e["error_type"] for e in errs}
     assert got == want
@@ -122,10 +122,10 @@ def test_long_inputs_truncate_and_skip(ray_local, sample_model, tmp_path):
     out2 = str(tmp_path / "s")
     _run("jobs/papers_jsonl.yaml", out2, [f"input.path={src}", "input.id_field=id", "model.max_model_len=512",
                                           "long_inputs=skip"])
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
     assert {r["doc_id"] for r in _rows(out2)} == {"short"}
-    assert [e["error_type"] for e in OutputStore(out2).errors().to_pylist()] == ["LongInput"]
+    assert [e["error_type"] for e in ParquetStore(out2).errors().to_pylist()] == ["LongInput"]
 
 
 def test_invalid_job_file_exit_code(tmp_path):

@@ -24,9 +24,9 @@ def _run(overrides):
 
     spec = load_job("jobs/papers.yaml", FAST + overrides)
     report = JobRunner(spec, fresh=True, progress=False).run()
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
-    store = OutputStore(spec.output.path, spec.output.storage_options)
+    store = ParquetStore(spec.output.path, spec.output.storage_options)
     rows = store.results().to_pylist()
     return report, rows, store
 

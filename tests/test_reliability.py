@@ -230,14 +230,14 @@ def test_noop_rerun_and_fresh_touches_only_this_jobs_files(ray_local, sample_mod
 
 
 def test_status_does_not_import_ray_and_counts_committed(tmp_path, raytmp):
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
     src = write_jsonl(tmp_path / "docs.jsonl", {**DOCS, "gamma": "Third document. " * 5})
     out = str(tmp_path / "out")
-    store = OutputStore(out)
+    store = ParquetStore(out)
     row = {"source": src, "output": "x", "prompt_tokens": 10, "output_tokens": 2, "finish_reason": "length",
            "truncated": False, "model": "m"}
-    store.commit_results([{**row, "doc_id": "alpha", "task": t} for t in ("summary", "keywords", "question")], False)
+    store.commit([{**row, "doc_id": "alpha", "task": t} for t in ("summary", "keywords", "question")], [], False)
     store.commit_errors([{"doc_id": "beta", "source": src, "stage": "generate", "error_type": "WorkerCrash",
                           "error": "boom"}])
     os.makedirs(os.path.join(out, "_tmp"), exist_ok=True)
@@ -308,7 +308,7 @@ def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path,
 
 @pytest.mark.ray
 def test_poison_pill_dead_lettered_others_complete(ray_local, sample_model, tmp_path, monkeypatch):
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
     src = write_jsonl(tmp_path / "docs.jsonl", {**DOCS, "poison": "This document crashes every worker. " * 6})
     out = str(tmp_path / "out")
@@ -316,7 +316,7 @@ def test_poison_pill_dead_lettered_others_complete(ray_local, sample_model, tmp_
     rep = run_job("jobs/papers_jsonl.yaml", out, [f"input.path={src}", "input.id_field=id"])
     rows = output_rows(out)
     assert sorted({r["doc_id"] for r in rows}) == ["alpha", "beta"] and len(rows) == 6
-    errs = OutputStore(out).errors().to_pylist()
+    errs = ParquetStore(out).errors().to_pylist()
     assert [(e["doc_id"], e["stage"], e["error_type"]) for e in errs] == [("poison", "generate", "WorkerCrash")]
     assert "all 3 attempts" in errs[0]["error"] and "max_attempts=3" in errs[0]["error"]
     assert rep["docs_failed"] == 1 and rep["docs_ok"] == 2 and rep["retries"]["worker"] >= 3
@@ -329,7 +329,7 @@ def test_a_hung_batch_is_failed_by_its_own_bound_and_the_job_goes_on(ray_local, 
     batching.batch_timeout_s its batch fails and its worker is restarted; the document that
     hangs is run alone, hangs again and is dead-lettered naming the bound; the others commit
     long before the stall timeout."""
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
     src = write_jsonl(tmp_path / "docs.jsonl", {**DOCS, "poison": "This document hangs every worker. " * 6})
     out = str(tmp_path / "out")
@@ -339,7 +339,7 @@ def test_a_hung_batch_is_failed_by_its_own_bound_and_the_job_goes_on(ray_local, 
                   stall_timeout_s=600)
     rows = output_rows(out)
     assert sorted({r["doc_id"] for r in rows}) == ["alpha", "beta"] and len(rows) == 6
-    errs = OutputStore(out).errors().to_pylist()
+    errs = ParquetStore(out).errors().to_pylist()
     assert [(e["doc_id"], e["error_type"]) for e in errs] == [("poison", "WorkerCrash")]
     assert "BatchTimeout" in errs[0]["error"] and "batch_timeout_s=15" in errs[0]["error"]
     assert rep["docs_failed"] == 1 and rep["docs_ok"] == 2
@@ -427,7 +427,7 @@ def faulty_fs():
 
 @pytest.mark.ray
 def test_transient_io_errors_retried_and_counted(ray_local, sample_model, tmp_path, faulty_fs):
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
     src = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     out = f"faultymem://reliability-{os.getpid()}-{time.time_ns()}/out"
@@ -438,8 +438,8 @@ def test_transient_io_errors_retried_and_counted(ray_local, sample_model, tmp_pa
     assert rep["retries"]["io"] == 6  # every injected failure retried once, and counted in the report
     rows = output_rows(out)
     assert len(rows) == 6 and len({(r["doc_id"], r["task"]) for r in rows}) == 6
-    store = OutputStore(out)
-    assert json.loads(store.fs.cat_file(store._p("_report.json")))["retries"]["io"] == 6
+    store = ParquetStore(out)
+    assert json.loads(store.files.fs.cat_file(store.files.path("_report.json")))["retries"]["io"] == 6
     # reads too: a rerun reads the manifest and the committed parts through failing reads
     from connectors.io_retry import retry_count
 
@@ -451,17 +451,17 @@ def test_transient_io_errors_retried_and_counted(ray_local, sample_model, tmp_pa
 
 
 def test_permanent_io_error_fails_with_clear_message_and_keeps_committed(tmp_path, faulty_fs, capsys):
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from dlbatch.cli import main
 
     src = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     out = f"faultymem://reliability-perm-{os.getpid()}-{time.time_ns()}/out"
-    store = OutputStore(out)
+    store = ParquetStore(out)
     row = {"source": src, "output": "x", "prompt_tokens": 10, "output_tokens": 2, "finish_reason": "length",
            "truncated": False, "model": "m"}
-    part = store.commit_results([{**row, "doc_id": "alpha", "task": t} for t in ("summary", "keywords", "question")],
+    part = store.commit([{**row, "doc_id": "alpha", "task": t} for t in ("summary", "keywords", "question")], [],
                                 False)
-    blob = store.fs.cat_file(store.fs._strip_protocol(part))
+    blob = store.files.fs.cat_file(store.files.fs._strip_protocol(part))
     faulty_fs.permanent = {"pipe_file", "mv", "makedirs"}
     rc = main(["run", "jobs/papers_jsonl.yaml", "--no-progress", *cli_sets(out, [f"input.path={src}",
                                                                              "input.id_field=id"])])
@@ -470,7 +470,7 @@ def test_permanent_io_error_fails_with_clear_message_and_keeps_committed(tmp_pat
     assert "job failed: PermissionError" in err and "permission denied" in err and "intact" in err
     assert "not retried" in err  # permanent: no retry loop
     faulty_fs.permanent = set()
-    assert store.fs.cat_file(store.fs._strip_protocol(part)) == blob
+    assert store.files.fs.cat_file(store.files.fs._strip_protocol(part)) == blob
     assert len(output_rows(out)) == 3
 
 

@@ -128,7 +128,7 @@ def test_validate_names_a_missing_column_with_exit_2(tmp_path):
 def test_columns_kept_in_the_output_with_their_types(ray_local, sample_model, tmp_path):
     """A Parquet input: a column used in the template, two kept with their Arrow types
     (int32, list<string>), and a chat task beside the template task."""
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from dlbatch.driver.runner import JobRunner
 
     table = pa.table({"id": ["q1", "q2"], "text": [q["text"] for q in QUESTIONS],
@@ -140,7 +140,7 @@ def test_columns_kept_in_the_output_with_their_types(ray_local, sample_model, tm
                           cluster={"colocated": {"chip": "fast", "replicas": 1, "num_cpus": 0.5}}))
     report = JobRunner(spec, fresh=True, progress=False).run()
     assert report["docs_ok"] == 2
-    out = OutputStore(spec.output.path).results()
+    out = ParquetStore(spec.output.path).results()
     assert out.schema.field("level").type == pa.int32() and out.schema.field("tags").type == pa.list_(pa.string())
     got = sorted((r["doc_id"], r["task"], r["level"], r["tags"]) for r in out.to_pylist())
     assert got == [("q1", "answer", 1, ["geo", "easy"]), ("q2", "answer", 2, [])]

@@ -55,12 +55,12 @@ def test_skip_set_answers_membership_in_8_bytes_per_id():
 
 
 def test_progress_holds_columns_not_python_objects_per_row(tmp_path):
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
-    store = OutputStore(str(tmp_path))
+    store = ParquetStore(str(tmp_path))
     rows = [{"doc_id": f"d{i}", "source": f"/in/{i}.pdf", "task": t, "output": "x", "prompt_tokens": 3,
              "output_tokens": 1} for i in range(2000) for t in ("a", "b")]
-    store.commit_results(rows[:-1], False)  # d1999 lacks task b
+    store.commit(rows[:-1], [], False)  # d1999 lacks task b
     store.commit_errors([{"doc_id": "bad", "source": "/in/bad.pdf", "stage": "parse", "error_type": "E", "error": "x"}])
     p = store.progress(tasks={"a", "b"})
     assert p["n_done"] == 1999 and p["failed_ids"].to_pylist() == ["bad"] and p["rows"] == 3999

@@ -133,7 +133,7 @@ def test_row_fields_validity():
 
 
 def test_committed_parquet_loads_typed_in_pandas(tmp_path):
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from dlbatch.prompts.structured import result_fields, row_fields
 
     spec = _spec([{"name": "j", "prompt": "{{ text }}", "output": {"json_schema": SCHEMA}},
@@ -146,8 +146,8 @@ def test_committed_parquet_loads_typed_in_pandas(tmp_path):
         for t, text in outs.items():
             rows.append({"doc_id": d, "source": "s", "task": t, "output": text, "finish_reason": "stop",
                          **row_fields(spec, t, {"output": text, "finish_reason": "stop"})})
-    store = OutputStore(str(tmp_path / "out"))
-    store.commit_results(rows, False, result_fields(spec))
+    store = ParquetStore(str(tmp_path / "out"))
+    store.commit(rows, [], False, result_fields(spec))
     import pandas as pd
 
     df = pd.read_parquet(str(tmp_path / "out"))
@@ -162,10 +162,10 @@ def test_committed_parquet_loads_typed_in_pandas(tmp_path):
 
 
 def test_task_error_counts_as_the_tasks_outcome(tmp_path):
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
-    store = OutputStore(str(tmp_path / "out"))
-    store.commit_results([{"doc_id": "d", "source": "s", "task": "a", "output": "x"}], False)
+    store = ParquetStore(str(tmp_path / "out"))
+    store.commit([{"doc_id": "d", "source": "s", "task": "a", "output": "x"}], [], False)
     store.commit_errors([{"doc_id": "d", "source": "s", "task": "b", "stage": "prompt", "error_type": "TemplateError",
                           "error": "boom"},
                          {"doc_id": "e", "source": "s", "task": None, "stage": "parse", "error_type": "X", "error": "y"}])
@@ -306,7 +306,7 @@ def test_bench_structured_smoke(tmp_path):
 def test_tasks_fail_alone_in_a_job(ray_local, sample_model, tmp_path):
     """A task whose prompt cannot render and a task whose grammar cannot compile become
     error rows naming the task; the document's other task commits; a rerun is a no-op."""
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from dlbatch.driver.runner import JobRunner
 
     out = str(tmp_path / "out")
@@ -317,7 +317,7 @@ def test_tasks_fail_alone_in_a_job(ray_local, sample_model, tmp_path):
         " {name: badprompt, prompt: \"{{ text }}{{ pages + 'x' }}\", max_tokens: 4},"
         " {name: badgrammar, prompt: '{{ text }} Q', max_tokens: 4, output: {grammar: 'start: nosuchrule'}}]"])
     rep = JobRunner(spec, progress=False).run()
-    store = OutputStore(out)
+    store = ParquetStore(out)
     rows = store.results().to_pylist()
     errs = store.errors().to_pylist()
     assert [r["task"] for r in rows] == ["kind"] and rows[0]["output"] in ("a", "b") and rows[0]["valid"]

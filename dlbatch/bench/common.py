@@ -170,13 +170,13 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
 def run_job(job: str, overrides: list[str]) -> tuple[dict, dict]:
     """Run a job with `--set`-style overrides through `JobRunner` (fresh output);
     -> (report, {(doc_id, task): output text})."""
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from dlbatch.jobspec import load_job
     from dlbatch.driver.runner import JobRunner
 
     spec = load_job(job, overrides)
     report = JobRunner(spec, fresh=True, progress=False).run()
-    tbl = OutputStore(spec.output.path).results(columns=["doc_id", "task", "output"])
+    tbl = ParquetStore(spec.output.path).results(columns=["doc_id", "task", "output"])
     outputs = {(r["doc_id"], r["task"]): r["output"] for r in tbl.to_pylist()}
     return report, outputs
 

@@ -35,9 +35,9 @@ def long_papers(max_model_len: int, n: int) -> list[str]:
 
 
 def _rows(out: str) -> list[dict]:
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
-    return OutputStore(out).results().to_pylist()
+    return ParquetStore(out).results().to_pylist()
 
 
 def run_long(args) -> int:

@@ -45,7 +45,7 @@ def _tasks_for_peer(spec) -> list[dict]:
 
 def _run_ours(job: str, sets: list[str], out: str, log_path: str) -> dict:
     """`dlbatch run` in a fresh process (its own local Ray); -> wall, report, rows."""
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
     cmd = [sys.executable, "-m", "dlbatch.cli", "run", job, "--no-progress", "--fresh"]
     for s in [*sets, f"output.path={out}"]:
@@ -60,7 +60,7 @@ def _run_ours(job: str, sets: list[str], out: str, log_path: str) -> dict:
             return {"error": f"dlbatch run exited {rc}: {f.read()[-1500:]}"}
     with open(os.path.join(out, "_report.json")) as f:
         rep = json.load(f)
-    rows = OutputStore(out).results(columns=["doc_id", "task", "output", "output_tokens"]).to_pylist()
+    rows = ParquetStore(out).results(columns=["doc_id", "task", "output", "output_tokens"]).to_pylist()
     return {"wall_s": wall, "rows": rows, "prompt_tokens": rep["prompt_tokens"],
             "output_tokens": rep["output_tokens"], "prefix_cache_hit_tokens": rep.get("prefix_cache_hit_tokens", 0)}
 

@@ -1,12 +1,12 @@
 """`dlbatch bench status`: `dlbatch status` and the resume of a job with N committed documents.
 
 Builds a synthetic output of N documents (K tasks each, outputs of realistic length)
-through the real commit path (`OutputStore.commit_results`, parts of --part-docs
+through the real commit path (`ParquetStore.commit`, parts of --part-docs
 documents, each with its index file), for a JSONL input of the same documents. Then times,
 medians of --repeat runs:
   baseline  the full read every committed part whole, serially, output text included (what
             resume and status did before the index), on the uncompacted output;
-  index     `OutputStore.progress` from the index files (uncompacted, then compacted);
+  index     `ParquetStore.progress` from the index files (uncompacted, then compacted);
   status    `dlbatch status` (job_status: progress + counting the input documents);
   resume    `JobRunner.run()` up to the point where worker pools would start (listing,
             input fingerprint, manifest check, progress);
@@ -42,8 +42,8 @@ def _naive_progress(store) -> int:
 
     rows = 0
     docs: dict[str, set] = {}
-    for p in committed_paths(store.fs, store.root, find_all(store.fs, store.root)):
-        with pq.ParquetFile(pa.BufferReader(store.fs.cat_file(p))) as pf:
+    for p in committed_paths(store.files.fs, store.files.root, find_all(store.files.fs, store.files.root)):
+        with pq.ParquetFile(pa.BufferReader(store.files.fs.cat_file(p))) as pf:
             for r in pf.read().to_pylist():
                 docs.setdefault(r["doc_id"], set()).add(r["task"])
                 rows += 1
@@ -55,27 +55,27 @@ def _raw_index_read(store) -> int:
 
     from connectors.sink import find_all
 
-    idx = [f for f in find_all(store.fs, store.root) if "/_index/part-" in f]
+    idx = [f for f in find_all(store.files.fs, store.files.root) if "/_index/part-" in f]
     with ThreadPoolExecutor(16) as ex:
-        return sum(len(b) for b in ex.map(store.fs.cat_file, idx))
+        return sum(len(b) for b in ex.map(store.files.fs.cat_file, idx))
 
 
 def _build(work: str, n: int, part_docs: int, chars: int, tasks: list[str]) -> tuple[str, str, float]:
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
     src = os.path.join(work, "docs.jsonl")
     with open(src, "w") as f:
         for i in range(n):
             f.write(json.dumps({"id": f"d{i:07d}", "text": f"Document {i}. " + "lorem ipsum " * 20}) + "\n")
     out = os.path.join(work, "out")
-    store = OutputStore(out)
+    store = ParquetStore(out)
     t0 = time.perf_counter()
     text = ("word " * (chars // 5 + 1))[:chars]
     for start in range(0, n, part_docs):
         rows = [{"doc_id": f"d{i:07d}", "source": src, "task": t, "output": f"{i} {text}", "prompt_tokens": 200,
                  "output_tokens": chars // 4, "finish_reason": "length", "truncated": False, "model": "m",
                  "ttft_s": 0.1, "latency_s": 1.0} for i in range(start, min(n, start + part_docs)) for t in tasks]
-        store.commit_results(rows, include_text=False)
+        store.commit(rows, [], include_text=False)
     return src, out, time.perf_counter() - t0
 
 
@@ -103,7 +103,7 @@ def _resume_seconds(spec, docs: int) -> float:
 
 def run(args) -> int:
     from dlbatch.bench.common import finish_bench, machine_info
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
     from dlbatch.output.status import job_status
     from dlbatch.jobspec import load_job
 
@@ -116,7 +116,7 @@ def run(args) -> int:
         tasks = [t.name for t in spec0.tasks]
         src, out, build_s = _build(work, args.docs, args.part_docs, args.output_chars, tasks)
         spec = load_job("jobs/papers_jsonl.yaml", [f"input.path={src}", "input.id_field=id", f"output.path={out}"])
-        store = OutputStore(out)
+        store = ParquetStore(out)
         n_parts = len([f for f in os.listdir(out) if f.startswith("part-")])
         res = {"machine": machine_info(), "docs": args.docs, "tasks": len(tasks), "parts": n_parts,
                "build_s": build_s, "repeat": args.repeat}

@@ -136,7 +136,7 @@ def _committed(spec) -> str:
     """What the output holds after an interrupted run, read from it (the run committed every
     complete document before it stopped)."""
     try:
-        from dlbatch.output.delta_store import open_store
+        from dlbatch.output import open_store
 
         prog = open_store(spec.output).progress(tasks={t.name for t in spec.tasks})
     except Exception as e:  # the message must not fail
@@ -159,20 +159,30 @@ def cmd_status(args) -> int:
         print(f"  documents: {st['docs_done']} done, {st['docs_failed']} failed, {st['docs_pending']} pending "
               f"(of {st['docs_total']})")
         print(f"  rows: {st['rows']}   tokens: {st['prompt_tokens']} prompt, {st['output_tokens']} output")
-        print(f"  state: {'complete' if st['complete'] else 'incomplete'}")
+        print(f"  state: {_state(st)}")
     return EXIT_OK
+
+
+def _state(st: dict) -> str:
+    if st["complete"]:
+        return "complete"
+    if st["last_run_complete"] and st["docs_pending"]:
+        limit = st.get("last_run_limit")
+        return (f"incomplete: the last run completed{f' with input.limit {limit}' if limit else ''}, and "
+                f"{st['docs_pending']} documents of this job are not processed yet; rerun to process them")
+    return "incomplete"
 
 
 def cmd_compact(args) -> int:
     spec = _load(args)
     if spec is None:
         return EXIT_INVALID
+    from dlbatch.output import open_store
     from dlbatch.output.lease import LeaseHeld
-    from dlbatch.output.delta_store import open_store
 
-    store = open_store(spec.output)
+    store = open_store(spec.output)  # the format that wrote the output (its manifest): a Delta table compacts as one
     try:
-        store.take_lease(spec.name, "compact")  # never beside a run or another compaction
+        store.files.take_lease(spec.name, "compact")  # never beside a run or another compaction
     except LeaseHeld as e:
         print(f"compaction not started: {e}", file=sys.stderr)
         return EXIT_BUSY
@@ -183,7 +193,7 @@ def cmd_compact(args) -> int:
               f"(rerun to finish)", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        store.release_lease()
+        store.files.release_lease()
     print(f"{spec.output.path}: {res['merged_parts']} small parts merged into {res['parts_written']} "
           f"({res['parts_before']} small parts before)")
     return EXIT_OK
@@ -198,13 +208,12 @@ def cmd_export(args) -> int:
         print(f"dlbatch export writes OpenAI batch files: job {spec.name!r} has output.format {spec.output.format}, "
               "not openai_batch", file=sys.stderr)
         return EXIT_INVALID
-    from dlbatch.output import openai_export
-    from dlbatch.output.delta_store import open_store
+    from dlbatch.output import open_store, openai_export
     from dlbatch.output.lease import LeaseHeld
 
     store = open_store(spec.output)
     try:
-        store.take_lease(spec.name, "export")
+        store.files.take_lease(spec.name, "export")
     except LeaseHeld as e:
         print(f"export not started: {e}", file=sys.stderr)
         return EXIT_BUSY
@@ -214,7 +223,7 @@ def cmd_export(args) -> int:
         print(f"export failed: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        store.release_lease()
+        store.files.release_lease()
     print(f"{spec.output.path}: {n['results']} lines in {openai_export.RESULTS_FILE}, {n['errors']} in "
           f"{openai_export.ERRORS_FILE}")
     return EXIT_OK

@@ -128,18 +128,23 @@ def _inputs(spec) -> list[str]:
 def _output(spec) -> None:
     import uuid
 
-    from dlbatch.output.delta_store import open_store
+    from dlbatch.output import FormatMismatch, open_store, run_store
 
     out = spec.output.path
     try:
         store = open_store(spec.output)
-        probe = store._p(f"_tmp/validate-{uuid.uuid4().hex[:8]}")
-        store.fs.makedirs(store._p("_tmp"), exist_ok=True)
-        store.fs.pipe_file(probe, b"dlbatch validate")
-        store.fs.rm_file(probe)
+        files = store.files
+        probe = files.path(f"_tmp/validate-{uuid.uuid4().hex[:8]}")
+        files.fs.makedirs(files.path("_tmp"), exist_ok=True)
+        files.fs.pipe_file(probe, b"dlbatch validate")
+        files.fs.rm_file(probe)
     except (OSError, ValueError, ImportError) as e:
         raise Invalid(f"output.path {out!r} is not writable: {type(e).__name__}: {e}") from None
-    manifest = store.read_json("_manifest.json")
+    try:
+        run_store(store, spec.output)  # what a run writes: the format that wrote the output
+    except FormatMismatch as e:
+        raise Invalid(str(e)) from None
+    manifest = files.read_json("_manifest.json")
     state = ("empty" if manifest is None else
              f"holds job {manifest.get('name')!r} ({'complete' if manifest.get('complete') else 'incomplete'}): "
              f"a run resumes it")

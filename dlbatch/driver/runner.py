@@ -21,7 +21,7 @@ import sys
 import time
 
 from dlbatch.output import openai_export
-from dlbatch.output.parquet_store import COMPACT_MIN_PARTS
+from dlbatch.output.compaction import COMPACT_MIN_PARTS
 from dlbatch.workers.pools import MAX_RESTARTS, JobFailed, WorkerPools
 from dlbatch.transfer.errors import brief
 
@@ -61,18 +61,18 @@ class JobRunner:
     def run(self) -> dict:
         from connectors.io_retry import retry_count
         from dlbatch.backends import check_job
-        from dlbatch.output.delta_store import open_store
+        from dlbatch.output import open_store
 
         spec = self.spec
         t_start = time.time()
         io_retries_start = retry_count()
         check_job(spec)  # the backend runs here, takes its engine_args and the model's architecture
-        store = open_store(spec.output)  # Parquet parts, or a Delta table (output.format)
-        store.take_lease(spec.name, "run --fresh" if self.fresh else "run")  # one writer per output
+        store = open_store(spec.output)  # Parquet parts or a Delta table: the format that wrote the output
+        store.files.take_lease(spec.name, "run --fresh" if self.fresh else "run")  # one writer per output
         try:
             return self._run_leased(store, t_start, io_retries_start)
         finally:
-            store.release_lease()
+            store.files.release_lease()
 
     def _run_leased(self, store, t_start: float, io_retries_start: int) -> dict:
         from connectors import list_inputs
@@ -86,17 +86,9 @@ class JobRunner:
         from dlbatch.report.run import RunReport
 
         spec = self.spec
-        if self.fresh:
-            n = store.clear()
-            log.info("--fresh: removed %d files of a previous run under %s", n, spec.output.path)
-            if openai_export.wanted(spec):
-                openai_export.clear(store)
-        else:
-            rec = store.recover()  # what a crashed (or taken-over) holder left half done
-            if store.lease.taken_over or any(rec.values()):
-                log.warning("resuming after an interrupted run: %s", rec)
+        store = self._writer(store)
         content = content_fields(spec)
-        manifest = store.read_json("_manifest.json")
+        manifest = store.files.read_json("_manifest.json")
         if manifest is not None:
             check_resume_compatible(manifest.get("fields", {}), spec, output=spec.output.path, content=content)
         report = RunReport(spec, self.plan, t_start)
@@ -111,7 +103,7 @@ class JobRunner:
         if spec.input.limit is not None and by_file:
             files = files[:spec.input.limit]
         report.startup.start("input_versions")
-        recorded = store.read_sources()
+        recorded = store.files.read_sources()
         versions = input_versions(files, dict(spec.input.storage_options), cache=recorded)
         report.startup.end("input_versions")
         sig = versions_digest(versions, spec.input.limit)
@@ -124,7 +116,7 @@ class JobRunner:
             log.warning("%d inputs changed since their rows were committed (%s); %d old rows removed, redoing them",
                         len(replaced), ", ".join(replaced[:5]), n)
         if versions != recorded:
-            store.write_sources({**{s: r for s, r in recorded.items() if s not in versions}, **versions})
+            store.files.write_sources({**{s: r for s, r in recorded.items() if s not in versions}, **versions})
         report.inputs_replaced = replaced
         task_names = {t.name for t in spec.tasks}
         prog = store.progress(tasks=task_names)  # from the parts' index files, not their text
@@ -133,23 +125,23 @@ class JobRunner:
             log.warning("%d inputs with committed rows are gone from %s (their rows stay; --fresh starts over): %s",
                         len(report.inputs_deleted), spec.input.path, ", ".join(report.inputs_deleted[:5]))
         if manifest and manifest.get("complete") and manifest.get("inputs") == sig:
-            if openai_export.wanted(spec) and not store.fs.exists(f"{store.root}/{openai_export.RESULTS_FILE}"):
+            if openai_export.wanted(spec) and openai_export.missing(store):
                 openai_export.export(spec, store)  # the files of a completed job, when they are missing
             print(f"job {spec.name!r} is already complete in {spec.output.path}: {prog['n_done']} documents done, "
                   f"{prog['n_failed']} failed; nothing to do (use --fresh to start over)", file=sys.stderr)
             return {"noop": True, "docs_ok": prog["n_done"], "docs_failed": prog["n_failed"],
                     "rows_written": prog["rows"]}
-        store.write_json("_manifest.json", {"name": spec.name, "fingerprint": job_fingerprint(spec, content),
-                                            "fields": {**fingerprint_fields(spec), **content}, "inputs": sig,
-                                            "complete": False,
-                                            "started": t_start})
+        store.files.write_json("_manifest.json", {"name": spec.name, "fingerprint": job_fingerprint(spec, content),
+                                                  "fields": {**fingerprint_fields(spec), **content}, "inputs": sig,
+                                                  "limit": spec.input.limit, "complete": False,
+                                                  "started": t_start})
         todo = [f for f in files if f not in prog["sources_done"]] if by_file else files
         report.already_done, report.already_failed = prog["n_done"], prog["n_failed"]
         if not todo:
             report = report.finish(store, compaction=self._compact_output(store))
             if openai_export.wanted(spec):
                 openai_export.export(spec, store)
-            store.write_json("_manifest.json", {**store.read_json("_manifest.json"), "complete": True})
+            store.files.write_json("_manifest.json", {**store.files.read_json("_manifest.json"), "complete": True})
             print(f"job {spec.name!r}: every input is already processed; nothing to do", file=sys.stderr)
             return report
         skip = SkipSet(pa.concat_arrays([prog["done_ids"], prog["failed_ids"]]))  # 8 bytes per document
@@ -158,9 +150,29 @@ class JobRunner:
         out = out.finish(store, retries={"worker": out.retries, "io": retry_count() - io_retries_start})
         if openai_export.wanted(spec):  # from the committed rows, before the job is marked complete
             openai_export.export(spec, store)
-        store.write_json("_manifest.json", {**(store.read_json("_manifest.json") or {}), "complete": True,
-                                            "inputs": sig})
+        store.files.write_json("_manifest.json", {**(store.files.read_json("_manifest.json") or {}), "complete": True,
+                                                  "inputs": sig})
         return out
+
+    def _writer(self, store):
+        """The store this run commits with (`run_store`: the job's format; a job asking another
+        format than the one that wrote the output is refused). --fresh: ``store``, the format
+        that wrote the output, deletes its files first; otherwise what a crashed (or
+        taken-over) holder left half done is finished before progress is read."""
+        from dlbatch.output import run_store
+
+        spec = self.spec
+        if self.fresh:
+            n = store.clear()
+            log.info("--fresh: removed %d files of a previous run under %s", n, spec.output.path)
+            if openai_export.wanted(spec):
+                openai_export.clear(store)
+        store = run_store(store, spec.output, cleared=self.fresh)
+        if not self.fresh:
+            rec = store.recover()  # what a crashed (or taken-over) holder left half done
+            if store.files.lease.taken_over or any(rec.values()):
+                log.warning("resuming after an interrupted run: %s", rec)
+        return store
 
     def _run_pools(self, store, files: list[str], skip_docs, report, docs_total_hint: int | None):
         """Workers up, input flowing, the loop run: what the report needs to finish."""
@@ -211,7 +223,7 @@ class JobRunner:
 
     def _compact_output(self, store) -> dict:
         """At job end: merge the small committed parts when more than compact_min_parts
-        exist (OutputStore.compact); a failure leaves the parts as they are and never fails
+        exist (`Store.compact`); a failure leaves the parts as they are and never fails
         the job."""
         min_parts = self.compact_min_parts
         if min_parts is None or min_parts < 0:
@@ -219,7 +231,7 @@ class JobRunner:
         try:
             return store.compact(min_parts=min_parts)
         except Exception as e:
-            log.warning("compaction of %s skipped: %s", store.url, brief(e))
+            log.warning("compaction of %s skipped: %s", store.files.url, brief(e))
             return {"error": brief(e)}
 
 

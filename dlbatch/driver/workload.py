@@ -105,10 +105,9 @@ def observed_outputs(spec) -> list[int] | None:
     """Output token counts of a previous complete run of this job (its ``_report.json``),
     or None when there is none (or it is unreadable)."""
     try:
-        from dlbatch.output.parquet_store import OutputStore
+        from dlbatch.output.files import OutputFiles
 
-        store = OutputStore(spec.output.path, dict(spec.output.storage_options))
-        report = store.read_json("_report.json")
+        report = OutputFiles(spec.output.path, dict(spec.output.storage_options)).read_json("_report.json")
     except Exception as e:  # a missing/odd previous output must not stop planning
         log.debug("no previous report for %s: %s", spec.output.path, e)
         return None

@@ -1,10 +1,12 @@
 """Delta Lake output (``output.format: delta``): the job's result rows as one Delta table.
 
-`DeltaOutputStore` is an `OutputStore` whose result rows live in a Delta table at the
-output path itself (its ``_delta_log/`` and data files), written with the ``deltalake``
-package (delta-rs). Everything else stays exactly as the Parquet store keeps it, in names
-starting with ``_`` that Delta readers skip: the lease (``_lease/``), ``_manifest.json``,
-``_sources.parquet``, the dead letters (``_errors/``) and the report.
+`DeltaStore` is the `Store` whose result rows live in a Delta table at the output path
+itself (its ``_delta_log/`` and data files ``part-*.parquet``), written with the
+``deltalake`` package (delta-rs). A sibling of the Parquet store, not a kind of it: what the
+two share they hold, not inherit — the folder and its lease (`OutputFiles`), the dead
+letters (`DeadLetters`, ``_errors/``). Everything else lives in names starting with ``_``
+that Delta readers skip: the lease (``_lease/``), ``_manifest.json``, ``_sources.parquet``
+and the report.
 
 Exactly once. One flush of complete documents is one Delta transaction (an append). It
 carries an application transaction ``(app_id, version)``: ``app_id`` is this run's
@@ -32,11 +34,12 @@ landed (a crash between commit and publish), ``recover()`` publishes those and d
 ones whose transaction never landed. A flush of dead letters only is one part under
 ``_errors/``, as in the Parquet store.
 
-Other changes: ``supersede(sources)`` is one Delta delete transaction (plus the dead-letter
-rewrite of the Parquet store); ``compact()`` is ``optimize.compact()`` (one transaction)
+Other changes: ``supersede(sources)`` is one Delta delete transaction (plus the dead letters'
+rewrite, `DeadLetters.supersede`); ``compact()`` is ``optimize.compact()`` (one transaction)
 then ``vacuum`` with the table's retention (default 7 days: only files removed from the
 table more than a week ago go, so no reader of a recent snapshot loses a file);
-``clear()`` (``--fresh``) deletes the Delta log and data files and our own ``_`` files.
+``clear()`` (``--fresh``) deletes the Delta log (newest entry first), the data files, the
+dead letters and the folder's records; never a Parquet store's ``_index/`` or ``_compact/``.
 
 Object stores: ``storage_options`` are fsspec's (``key``, ``secret``, ``client_kwargs``);
 the Delta side gets them translated to delta-rs names (`delta_storage_options`), and
@@ -49,8 +52,13 @@ from __future__ import annotations
 import logging
 import time
 
-from dlbatch.output.parquet_store import (ERRORS_DIR, INDEX_COLUMNS, OutputStore, _error_key, _error_table,
-                                         _result_key)
+from dlbatch.output.compaction import COMPACT_MIN_PARTS, COMPACT_TARGET_BYTES
+from dlbatch.output.dead_letters import ERRORS_DIR, DeadLetters
+from dlbatch.output.files import MANIFEST, OutputFiles
+from dlbatch.output.parts import PartsFolder
+from dlbatch.output.progress import committed_progress, with_pending
+from dlbatch.output.rows import error_key, error_table, new_run_tag, not_from, result_key, result_table
+from dlbatch.records import INDEX_COLUMNS
 
 log = logging.getLogger("dlbatch.output.delta_store")
 
@@ -65,14 +73,6 @@ def _deltalake():
     except ImportError:
         raise ImportError("output.format 'delta' needs the deltalake package: pip install 'dlbatch[delta]'") from None
     return deltalake
-
-
-def open_store(output) -> OutputStore:
-    """The store of a job's ``output:`` section (`dlbatch.jobspec.OutputSpec`): a
-    `DeltaOutputStore` for ``format: delta``, the Parquet `OutputStore` otherwise."""
-    cls = DeltaOutputStore if getattr(output, "format", "parquet") == "delta" else OutputStore
-    kw = {"keep_columns": output.keep_columns} if getattr(output, "keep_columns", None) else {}
-    return cls(output.path, dict(output.storage_options), **kw)
 
 
 def delta_storage_options(url: str, options: dict) -> dict[str, str] | None:
@@ -99,13 +99,30 @@ def _sql_string(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-class DeltaOutputStore(OutputStore):
+def _txn_name(app_id: str, version: int) -> str:
+    return f"{app_id}-{version:08d}.parquet"
+
+
+def _parse_txn_name(name: str) -> tuple[str, int]:
+    app_id, version = name[:-len(".parquet")].rsplit("-", 1)
+    return app_id, int(version)
+
+
+class DeltaStore:
+    """Committed rows as a Delta table: transactions with an application transaction id,
+    dead letters counted once their transaction is in the log (module docstring)."""
+
     format = "delta"
 
-    def __init__(self, url: str, storage_options: dict | None = None, **kw):
-        super().__init__(url, storage_options, **kw)
+    def __init__(self, files: OutputFiles | str, storage_options: dict | None = None, keep_columns=()):
+        """``files``: the output folder (an `OutputFiles`, with its lease) or its URL."""
         self._dl = _deltalake()
-        self.delta_options = delta_storage_options(self.url, self.storage_options)
+        self.files = files if isinstance(files, OutputFiles) else OutputFiles(files, storage_options)
+        self.keep_columns = keep_columns  # output.keep_columns: input columns appended to result rows
+        self.run_tag = new_run_tag()
+        self.dead = DeadLetters(self.files, self.run_tag)
+        self.pending = PartsFolder(self.files, PENDING_DIR)  # one file per transaction with dead letters
+        self.delta_options = delta_storage_options(self.files.url, self.files.storage_options)
         self._app_id: str | None = None
         self._seq = 0  # this run's commit sequence: the version of its application transaction
         self._uncertain_txns: list[tuple[int, set, set]] = []  # (version, result keys, error keys) that raised
@@ -115,7 +132,7 @@ class DeltaOutputStore(OutputStore):
         """The Delta table's current snapshot, or None before the first commit."""
         dl = self._dl
         try:
-            return dl.DeltaTable(self.url, storage_options=self.delta_options)
+            return dl.DeltaTable(self.files.url, storage_options=self.delta_options)
         except dl.exceptions.TableNotFoundError:
             return None
 
@@ -124,19 +141,23 @@ class DeltaOutputStore(OutputStore):
         """This run's application transaction id: the job fingerprint (from the manifest the
         runner writes before any commit) and the run tag."""
         if self._app_id is None:
-            fp = str((self.read_json("_manifest.json") or {}).get("fingerprint") or "nojob")
-            self._app_id = f"dlbatch-{fp[:16]}-{self._run_tag}"
+            fp = str((self.files.read_json(MANIFEST) or {}).get("fingerprint") or "nojob")
+            self._app_id = f"dlbatch-{fp[:16]}-{self.run_tag}"
         return self._app_id
 
     def _landed(self, app_id: str, version: int, dt=None) -> bool:
         dt = dt if dt is not None else self.table()
         return dt is not None and (dt.transaction_version(app_id) or 0) >= version
 
+    # ---- reading what is committed -----------------------------------------------------------
     def results(self, columns: list[str] | None = None):
         import pyarrow as pa
 
         dt = self.table()
         return dt.to_pyarrow_table(columns=columns) if dt is not None else pa.table({})
+
+    def errors(self, columns: list[str] | None = None):
+        return self.dead.read(columns)
 
     def index(self):
         """Every committed row's INDEX_COLUMNS, read from the current snapshot (no text)."""
@@ -148,42 +169,49 @@ class DeltaOutputStore(OutputStore):
                              for c in INDEX_COLUMNS})
         return dt.to_pyarrow_table(columns=INDEX_COLUMNS)
 
-    def part_indexes(self) -> list[tuple[str, object]]:
-        return [(self.url, self.index())]
+    def progress(self, tasks: set[str] | None = None) -> dict:
+        """`committed_progress` of the snapshot and the dead letters (those of landed
+        transactions whose copy is not published yet included)."""
+        pending = [t for _, t in self.pending_error_copies()]
+        return committed_progress(self.index(), with_pending(self.errors(), pending), tasks)
+
+    def pending_error_copies(self) -> list[tuple[str, object]]:
+        """[(name, dead letters)] of pending files whose transaction landed but whose
+        ``_errors/`` copy is not written yet (a crash between the two)."""
+        files = self.pending.parts()
+        if not files:
+            return []
+        dt = self.table()
+        out = []
+        for f in files:
+            name = self.pending.name(f)
+            if self._landed(*_parse_txn_name(name), dt=dt) and not self.dead.has(f"part-{name}"):
+                out.append((name, self.pending.read([f])[0]))
+        return out
 
     # ---- committing -------------------------------------------------------------------------
     def commit(self, rows: list[dict], errors: list[dict], include_text: bool, extra_fields=()) -> str | None:
         """One flush = one Delta transaction ``(app_id, version)``; its dead letters are
         counted only once that transaction is in the log (module docstring)."""
-        from connectors.sink import write_parquet_atomic
-
         rows, errors = self._without_landed_txns(rows, errors)
         if not rows:
-            return self.commit_errors(errors) if errors else None
-        table = self._result_table(rows, include_text, extra_fields)
+            return self.dead.commit(errors) if errors else None
+        table = result_table(rows, include_text, extra_fields, self.keep_columns)
         self._seq += 1
         version = self._seq
         try:
             if errors:
-                self._guard()
-                write_parquet_atomic(_error_table(errors), self._u(PENDING_DIR), self._txn_name(self.app_id, version),
-                                     self.storage_options)
+                self.pending.write(error_table(errors), _txn_name(self.app_id, version))
             self._append(table, version)
         except BaseException:
-            self._uncertain_txns.append((version, {_result_key(r) for r in rows}, {_error_key(r) for r in errors}))
+            self._uncertain_txns.append((version, {result_key(r) for r in rows}, {error_key(r) for r in errors}))
             raise
         if errors:
-            self._publish(self._txn_name(self.app_id, version))
-        return self.url
+            self._publish(_txn_name(self.app_id, version))
+        return self.files.url
 
-    @staticmethod
-    def _txn_name(app_id: str, version: int) -> str:
-        return f"{app_id}-{version:08d}.parquet"
-
-    @staticmethod
-    def _parse_txn_name(name: str) -> tuple[str, int]:
-        app_id, version = name[:-len(".parquet")].rsplit("-", 1)
-        return app_id, int(version)
+    def commit_errors(self, rows: list[dict]) -> str | None:
+        return self.dead.commit(rows)
 
     def _append(self, table, version: int) -> None:
         """Append ``table`` as the transaction ``(app_id, version)``, retried; an attempt
@@ -191,14 +219,14 @@ class DeltaOutputStore(OutputStore):
         dl = self._dl
         props = dl.CommitProperties(app_transactions=[dl.Transaction(self.app_id, version)])
         for attempt in range(COMMIT_ATTEMPTS):
-            self._guard()
+            self.files.guard()
             dt = self.table()
             if self._landed(self.app_id, version, dt):
                 log.warning("Delta commit %s v%d is in the log already (a lost reply): not written again",
                             self.app_id, version)
                 return
             try:
-                dl.write_deltalake(dt if dt is not None else self.url, table, mode="append",
+                dl.write_deltalake(dt if dt is not None else self.files.url, table, mode="append",
                                    storage_options=None if dt is not None else self.delta_options,
                                    commit_properties=props)
                 return
@@ -217,135 +245,102 @@ class DeltaOutputStore(OutputStore):
         pending, self._uncertain_txns = self._uncertain_txns, []
         dt = self.table()
         for version, rkeys, ekeys in pending:
-            name = self._txn_name(self.app_id, version)
+            name = _txn_name(self.app_id, version)
             if not self._landed(self.app_id, version, dt):
-                self._rm(self._p(f"{PENDING_DIR}/{name}"))  # its transaction never landed
+                self.files.rm(self.pending.path(name))  # its transaction never landed
                 continue
             log.warning("a Delta commit that reported an error landed (v%d): %d rows not committed again",
                         version, len(rkeys))
-            rows = [r for r in rows if _result_key(r) not in rkeys]
-            errors = [r for r in errors if _error_key(r) not in ekeys]
+            rows = [r for r in rows if result_key(r) not in rkeys]
+            errors = [r for r in errors if error_key(r) not in ekeys]
             if ekeys:
                 self._publish(name)
         return rows, errors
 
     def _publish(self, name: str) -> None:
         """The readers' copy of a landed transaction's dead letters, then its pending file removed."""
-        from connectors.io_retry import call_with_retry
-        from connectors.sink import read_parquet_bytes, write_parquet_atomic
-
-        p = self._p(f"{PENDING_DIR}/{name}")
-        if not call_with_retry(self.fs.exists, p, op=f"exists {p}"):
+        p = self.pending.path(name)
+        if not self.files.exists(f"{PENDING_DIR}/{name}"):
             return
-        t = read_parquet_bytes(call_with_retry(self.fs.cat_file, p, op=f"read {p}"))
-        self._guard()
-        write_parquet_atomic(t, self._u(ERRORS_DIR), f"part-{name}", self.storage_options)
-        self._rm(p)
+        self.dead.copy(self.pending.read([p])[0], f"part-{name}", remember=False)
+        self.files.rm(p)
 
-    def _pending_files(self) -> list[str]:
-        from connectors.sink import find_all
-
-        root = self._p(PENDING_DIR)  # its own files only, not those of a write's _tmp/
-        return sorted(f for f in find_all(self.fs, root) if f.endswith(".parquet") and "/" not in self._rel(f)[len(PENDING_DIR) + 1:])
-
-    def pending_error_copies(self) -> list[tuple[str, object]]:
-        """[(name, dead letters)] of pending files whose transaction landed but whose
-        ``_errors/`` copy is not written yet (a crash between the two)."""
-        from connectors.io_retry import call_with_retry
-        from connectors.sink import read_parquet_bytes
-
-        files = self._pending_files()
-        if not files:
-            return []
-        dt = self.table()
-        out = []
-        for f in files:
-            name = f.rsplit("/", 1)[-1]
-            if self._landed(*self._parse_txn_name(name), dt=dt) and \
-                    not call_with_retry(self.fs.exists, self._p(f"{ERRORS_DIR}/part-{name}"), op="exists"):
-                out.append((name, read_parquet_bytes(call_with_retry(self.fs.cat_file, f, op=f"read {f}"))))
-        return out
-
+    # ---- changing what is committed ---------------------------------------------------------
     def recover(self) -> dict:
         """Before a resume reads progress: publish the dead letters of landed transactions,
         delete those of transactions that never landed (their writer is gone: we hold the
         lease), finish or drop interrupted dead-letter rewrites."""
         dt = self.table()
         published = dropped = 0
-        for f in self._pending_files():
-            name = f.rsplit("/", 1)[-1]
-            if self._run_tag in name:
+        for f in self.pending.parts():
+            name = self.pending.name(f)
+            if self.run_tag in name:
                 continue  # this run's own: `commit` handles them
-            if self._landed(*self._parse_txn_name(name), dt=dt):
+            if self._landed(*_parse_txn_name(name), dt=dt):
                 self._publish(name)
                 published += 1
             else:
-                self._rm(f)
+                self.files.rm(f)
                 dropped += 1
         if published:
             log.warning("wrote %d dead-letter copies a crash had lost (their transactions were committed)", published)
-        return {"error_copies": published, "pending_dropped": dropped, "compactions": self.recover_compactions()}
+        return {"error_copies": published, "pending_dropped": dropped, "compactions": self.dead.recover()}
 
-    # ---- changing what is committed ---------------------------------------------------------
     def supersede(self, sources: set[str]) -> int:
         """Remove every committed row of ``sources``: one Delta delete transaction for the
-        result rows, then the dead letters rewritten as the Parquet store does."""
-        import pyarrow as pa
+        result rows, then the dead letters rewritten (`DeadLetters.supersede`)."""
         import pyarrow.compute as pc
 
         from connectors.versions import source_files
 
         self.recover()
-        values = pa.array(sorted(sources), pa.string())
+        keep, values = not_from(sources)
         removed = 0
         dt = self.table()
         if dt is not None:
             src = dt.to_pyarrow_table(columns=["source"]).column("source").combine_chunks()
             hit = pc.unique(src.filter(pc.is_in(source_files(src), value_set=values))).to_pylist()
             if hit:
-                self._guard()
+                self.files.guard()
                 res = dt.delete(predicate=f"source IN ({', '.join(_sql_string(s) for s in hit)})")
                 removed = int(res.get("num_deleted_rows", 0))
-
-        def keep(t):
-            return t.filter(pc.invert(pc.is_in(source_files(t.column("source")), value_set=values)))
-
-        self._supersede_errors(keep, values)
+        self.dead.supersede(keep, values)
         return removed
 
-    def compact(self, min_parts: int = 64, small_rows: int = 0, target_rows: int = 0,
-                target_bytes: int = 64 << 20) -> dict:
+    def compact(self, min_parts: int = COMPACT_MIN_PARTS, target_bytes: int = COMPACT_TARGET_BYTES) -> dict:
         """``optimize.compact()`` (one transaction) when the snapshot has more than
         ``min_parts`` data files, then ``vacuum`` with the table's retention (files removed
-        from the table over a week ago). ``small_rows``/``target_rows``: unused (Delta
-        compacts by bytes)."""
+        from the table over a week ago). Delta compacts by bytes: ``target_bytes`` per file."""
         self.recover()
         dt = self.table()
         before = len(dt.file_uris()) if dt is not None else 0
         if dt is None or before <= min_parts:
             return {"parts_before": before, "merged_parts": 0, "parts_written": 0}
-        self._guard()
+        self.files.guard()
         m = dt.optimize.compact(target_size=target_bytes)
-        self._guard()
+        self.files.guard()
         vacuumed = self.table().vacuum(dry_run=False)
-        log.info("Delta optimize of %s: %s files into %s; vacuum removed %d old files", self.url,
+        log.info("Delta optimize of %s: %s files into %s; vacuum removed %d old files", self.files.url,
                  m.get("numFilesRemoved"), m.get("numFilesAdded"), len(vacuumed))
         return {"parts_before": before, "merged_parts": int(m.get("numFilesRemoved", 0)),
                 "parts_written": int(m.get("numFilesAdded", 0)), "vacuumed": len(vacuumed)}
 
     def clear(self) -> int:
         """--fresh: the Delta log (newest entry first, so a crash leaves an older valid
-        version), then the data files and our own files (`OutputStore.clear`)."""
+        version), then the data files, the dead letters and the folder's records
+        (`OutputFiles.clear`)."""
         from connectors.io_retry import call_with_retry
-        from connectors.sink import find_all
 
-        found = find_all(self.fs, self._p(DELTA_LOG))
-        logs = sorted(found, key=lambda f: (f.endswith("_last_checkpoint"), f), reverse=True)
+        logs = sorted(self.files.find(DELTA_LOG), key=lambda f: (f.endswith("_last_checkpoint"), f), reverse=True)
         for f in logs:
-            self._rm(f)
+            self.files.rm(f)
         if logs:
             try:
-                call_with_retry(self.fs.rm, self._p(DELTA_LOG), recursive=True, op="delete _delta_log")
+                call_with_retry(self.files.fs.rm, self.files.path(DELTA_LOG), recursive=True, op="delete _delta_log")
             except FileNotFoundError:
                 pass
-        return len(logs) + super().clear()
+
+        def ours(rel: str) -> bool:  # delta-rs writes its data files at the top, named part-*.parquet
+            return ("/" not in rel and rel.startswith("part-") and rel.endswith(".parquet")) or self.dead.holds(rel)
+
+        return len(logs) + self.files.clear(ours)

@@ -16,8 +16,10 @@ completes, `export` writes from what is committed:
 Invariants: lines are in input order (file, then line number: the row's ``source``); the
 files are a function of the committed rows only — ``id``/``request_id`` are hashes of the
 custom_id (`connectors.openai_batch.line_hash`) and ``created`` is 0 — so a rerun, a resume or
-a compaction writes identical files; each file is written whole to a temporary name beside it
-and renamed into place, so a reader never sees half a file.
+a compaction writes identical files; each file is written whole to a temporary name and
+renamed into place (`OutputFiles.write_file`, under the lease), so a reader never sees half a
+file. The export reads the committed rows through the `Store` protocol only (``results``,
+``errors``), so it writes the same files from Parquet parts or a Delta table.
 
 Logprobs: chat ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
 "logprob", "bytes"}]}], "refusal": null}``; completions ``{"tokens", "token_logprobs",
@@ -29,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import uuid
 
 log = logging.getLogger("dlbatch.output.openai_export")
 
@@ -124,9 +125,9 @@ def export(spec, store) -> dict:
     errs = errs.to_pylist() if errs is not None and errs.num_rows else []
     errs.sort(key=lambda r: order_key(r["source"]))
     cids = _error_custom_ids(spec, errs)
-    _write_atomic(store, RESULTS_FILE, [response_line(r) for r in rows])
-    _write_atomic(store, ERRORS_FILE, [error_line(e, cids.get(e["source"])) for e in errs])
-    log.info("wrote %d response lines and %d error lines under %s", len(rows), len(errs), store.url)
+    _write_lines(store, RESULTS_FILE, [response_line(r) for r in rows])
+    _write_lines(store, ERRORS_FILE, [error_line(e, cids.get(e["source"])) for e in errs])
+    log.info("wrote %d response lines and %d error lines under %s", len(rows), len(errs), store.files.url)
     return {"results": len(rows), "errors": len(errs)}
 
 
@@ -152,23 +153,18 @@ def _error_custom_ids(spec, errs: list[dict]) -> dict[str, str]:
     return out
 
 
-def _write_atomic(store, name: str, lines: list[dict]) -> None:
-    """``name`` under the output, written to a temporary name beside it and renamed into place."""
-    from connectors.io_retry import call_with_retry
-
+def _write_lines(store, name: str, lines: list[dict]) -> None:
+    """``name`` under the output, written whole under the lease (`OutputFiles.write_file`)."""
     data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode("utf-8", "surrogatepass")
-    final = f"{store.root}/{name}"
-    tmp = f"{store.root}/_tmp/{name}.{uuid.uuid4().hex[:8]}"
-    store._guard()
-    call_with_retry(store.fs.makedirs, f"{store.root}/_tmp", exist_ok=True, op="makedirs _tmp")
-    call_with_retry(store.fs.pipe_file, tmp, data, op=f"write {tmp}")
-    call_with_retry(store.fs.mv, tmp, final, op=f"rename {tmp}")
+    store.files.write_file(name, data)
 
 
 def clear(store) -> None:
     """--fresh: the exported files go with the rows they were written from."""
     for name in (RESULTS_FILE, ERRORS_FILE):
-        path = f"{store.root}/{name}"
-        if store.fs.exists(path):
-            store._guard()
-            store.fs.rm_file(path)
+        store.files.rm(store.files.path(name))
+
+
+def missing(store) -> bool:
+    """Whether the output lacks its exported results file."""
+    return not store.files.exists(RESULTS_FILE)

@@ -139,7 +139,7 @@ class RunReport:
     def finish(self, store, tally: Tally | None = None, *, stats: dict | None = None, router: dict | None = None,
                dispatch: dict | None = None, retries: dict | None = None, compaction: dict | None = None,
                long_inputs: dict | None = None, kv_transport: str | None = None, rdt_regroups: int = 0) -> dict:
-        """The report dict, written to ``_report.json`` (and rendered as HTML/PNG) in ``store``.
+        """The report dict, written to ``_report.json`` (and rendered as HTML/PNG) in ``store.files``.
         ``stats``: the workers' ``stats()`` by role."""
         stats = stats or {}
         t_finish = time.time()
@@ -181,12 +181,12 @@ class RunReport:
             usd_h = float(self.plan["usd_per_hour"])
             report["cost"] = {"usd_per_hour": usd_h, "usd_total": round(usd_h * wall / 3600, 6),
                               "usd_per_million_tokens": round(usd_h * wall / 3600 / max(tokens, 1) * 1e6, 6)}
-        store.write_json("_report.json", report)
+        store.files.write_json("_report.json", report)
         t_render = time.time()
         try:
             from dlbatch.report.html import render_report
 
-            render_report(report, store.url, store.storage_options)
+            render_report(report, store.files.url, store.files.storage_options)
         except Exception as e:  # pragma: no cover - a report figure must not fail the job
             log.warning("could not render the HTML report: %s", e)
         log.info("start-up: %s; report written in %.1f s (job stats %.1f s)", startup_line(report),

@@ -15,7 +15,7 @@ fsspec hands out cached instances):
   "died" there, so a test can stop a multi-step operation at every step;
 * ``injected`` counts what was injected, by kind.
 
-Use it as an output path (``output.path=faultfile:///tmp/x/out``) or with OutputStore.
+Use it as an output path (``output.path=faultfile:///tmp/x/out``) or with ParquetStore.
 """
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ KEYCOLS = ["doc_id", "source", "task", "output", "prompt_tokens", "output_tokens
 
 def output_rows(out, storage_options=None):
     """Every committed result row of the output at `out`."""
-    from dlbatch.output.parquet_store import OutputStore
+    from dlbatch.output.parquet_store import ParquetStore
 
-    return OutputStore(out, storage_options).results().to_pylist()
+    return ParquetStore(out, storage_options).results().to_pylist()
 
 
 def canon(rows):

@@ -1,0 +1,83 @@
+"""The Arrow tables a store commits, and the keys that name their rows.
+
+A flush's result rows become one table of `dlbatch.records.result_schema` (`result_table`:
+the result columns, ``text`` when the job keeps it, the typed columns of structured and
+sampled tasks, then the input columns ``output.keep_columns`` names); its dead letters one
+table of `dlbatch.records.error_schema` (`error_table`). A row's key names it across
+retries: ``(doc_id, task)`` for a result, ``(doc_id, "<task>:<stage>")`` for a dead letter
+(task empty: the whole document). A part's name is a hash of its keys (`part_name`), so the
+same rows committed again find the same file; the rows of a commit that raised but landed
+are recognised by their keys and not committed twice.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+
+from dlbatch.records import ERROR_COLUMNS, RESULT_COLUMNS, error_schema, result_schema
+
+
+def result_key(r: dict) -> tuple:
+    return (r["doc_id"], r["task"])
+
+
+def error_key(r: dict) -> tuple:
+    return (r["doc_id"], f"{r.get('task') or ''}:{r.get('stage')}")
+
+
+def keys_digest(keys) -> str:
+    return hashlib.sha256("\n".join(sorted(f"{a}\t{b}" for a, b in keys)).encode()).hexdigest()[:20]
+
+
+def new_run_tag() -> str:
+    """This process's tag in the names of the parts it commits: ``<ms>-<6 hex>``."""
+    return f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
+
+
+def part_name(run_tag: str, keys) -> str:
+    return f"part-{run_tag}-{keys_digest(keys)}.parquet"
+
+
+def error_table(rows: list[dict]):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist([{c: (None if r.get(c) is None else str(r.get(c))) for c in ERROR_COLUMNS}
+                                 for r in rows], schema=error_schema())
+
+
+def result_table(rows: list[dict], include_text: bool, extra_fields=(), keep_columns=()):
+    """The rows as a table; with ``keep_columns`` (output.keep_columns: names, or "all"), the
+    input columns each row carries (``columns``, connectors/columns.py) after the result columns."""
+    import pyarrow as pa
+
+    cols = RESULT_COLUMNS + (["text"] if include_text else []) + [f.name for f in extra_fields]
+    table = pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows],
+                                 schema=result_schema(include_text, extra_fields))
+    if not keep_columns or not rows:
+        return table
+    from connectors.columns import columns_table
+
+    names = None if keep_columns == "all" else list(keep_columns)
+    kept = columns_table([r.get("columns") for r in rows], names)
+    for name in kept.schema.names:
+        if name not in table.schema.names:  # "all": a column named like a result column stays out
+            table = table.append_column(kept.schema.field(name), kept.column(name))
+    return table
+
+
+def not_from(sources: set[str]):
+    """(keep, tag): ``keep(table)`` is the rows of ``table`` whose input file is none of
+    ``sources`` (`connectors.versions.source_files` of their ``source``); ``tag`` the sorted
+    sources as an Arrow array."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from connectors.versions import source_files
+
+    values = pa.array(sorted(sources), pa.string())
+
+    def keep(t):
+        return t.filter(pc.invert(pc.is_in(source_files(t.column("source")), value_set=values)))
+
+    return keep, values
