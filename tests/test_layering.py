@@ -6,7 +6,7 @@ checked against ALLOWED, the picture of docs/architecture.md:
 
     cli -> bench -> driver -> output, workers, backends, jobspec, prompts, router, solver, report
                     workers -> backends -> engine, transfer
-                    jobspec -> prompts -> engine, connectors
+                    jobspec -> backends, prompts -> engine, connectors
     records (request keys, result rows): imported by every stage, imports nothing
 
 `engine`, `transfer`, `router`, `solver`, `report` and `connectors` import nothing of the
@@ -37,9 +37,9 @@ ALLOWED = {
     "testing": set(),
     "backends": {"records", "engine", "transfer", "base"},  # the engine backends behind the workers' one interface
     "output": {"records", "prompts", "connectors", "base"},  # the output folder: lease, stores, compaction, export, status
-    "workers": {"records", "backends", "engine", "transfer", "testing", "jobspec", "base"},  # the Ray side: actors, pools, session, calls
+    "workers": {"records", "backends", "engine", "transfer", "testing", "base"},  # the Ray side (actors, pools, ...)
     "prompts": {"records", "engine", "connectors"},
-    "jobspec": {"records", "prompts", "engine", "connectors"},  # input formats: a Hub dataset id, OpenAI batch lines
+    "jobspec": {"records", "backends", "prompts", "engine", "connectors"},  # backend names and rules; input formats
     "pipelines": {"records", "prompts", "connectors", "jobspec"},
     "driver": {"records", "output", "workers", "backends", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report", "connectors",
                "pipelines", "testing", "base"},

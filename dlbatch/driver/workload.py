@@ -4,8 +4,8 @@ This is the CLI side of the solver: it reads documents and loads the model's tok
 and config (the solver core itself never imports the engine). A sample of the job's
 documents (the first ``sample`` documents of the listed inputs) is rendered into task
 prompts and tokenized exactly as the pipeline does it (``dlbatch.prompts.stage.PromptStage``:
-same templates, chat template and long-input truncation), so the token counts are
-those the workers will see:
+same templates, chat template and long-input truncation to the run's ``max_model_len``), so
+the token counts are those the workers will see:
 
 * document prefix ``D`` = the token prefix common to a document's K task prompts
   (what the prefix cache shares), suffix ``S`` = the rest of each task's prompt;
@@ -119,13 +119,13 @@ def observed_outputs(spec) -> list[int] | None:
 
 
 def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: bool = True,
-                 device: str | None = None) -> JobSample:
+                 device: str | None = None, *, max_model_len: int) -> JobSample:
     """Read the first ``sample`` documents of ``spec`` (a validated JobSpec) and build the
-    Workload for ``n_docs`` documents (default: the job's document count)."""
+    Workload for ``n_docs`` documents (default: the job's document count); the prompts are
+    cut to ``max_model_len``, the run's context length (`dlbatch.driver.config.RunConfig`)."""
     from connectors import list_inputs
     from connectors.parse import parse_file
     from dlbatch.prompts.stage import PromptStage
-    from dlbatch.prompts.sampling import task_sampling
 
     if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
         raise ValueError(f"sample must be an integer >= 1, got {sample!r}")
@@ -136,7 +136,7 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
     one_per_file = inp.format in ("pdf", "text")
     if inp.limit is not None and one_per_file:
         files = files[:inp.limit]
-    stage = PromptStage(spec)
+    stage = PromptStage(spec, max_model_len=max_model_len)
     K = len(spec.tasks)
     doc_tokens: list[int] = []
     suffix_tokens: list[int] = []
@@ -184,42 +184,57 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
         doc_tokens = [1] * len(doc_tokens)
     estimated = False
     if n_docs is None:
-        from connectors.hf_hub import is_hub_url
-
-        if one_per_file:
-            total = len(files)
-        elif len(files) == 1 and is_hub_url(files[0]):  # a Hub dataset: its split's stated size
-            from connectors.listing import count_rows
-
-            total = count_rows(files[0], inp.format, 1 << 62, dict(inp.storage_options))
-        elif len(files) <= COUNT_FILES:  # record files: their rows counted, not parsed (JSONL lines, footers)
-            from connectors.listing import count_rows
-
-            stop = inp.limit if inp.limit is not None else 1 << 62
-            total = 0
-            for f in files:
-                total += count_rows(f, inp.format, stop - total, dict(inp.storage_options))
-                if total >= stop:
-                    break
-        else:
-            total = max(docs_read, int(round(docs_read / files_read * len(files))))
-            estimated = True
-        if inp.limit is not None:
-            total = min(total, inp.limit)
-        n_docs = total
-    n = {t.name: task_sampling(spec, t.name).n or 1 for t in spec.tasks}  # each sample is one more request
-    outputs = [t.max_tokens for t in spec.tasks for _ in range(n[t.name])]
-    source = "max_tokens of the tasks"
-    if use_report:
-        obs = observed_outputs(spec)
-        if obs:
-            outputs, source = obs, f"observed in a previous run's _report.json, {len(obs)} rows"
+        n_docs, estimated = _count_docs(inp, files, one_per_file, docs_read, files_read)
+    outputs, source = _output_tokens(spec, use_report)
     wl = Workload.from_samples(doc_tokens, suffix_tokens, outputs, n_docs=n_docs, tasks_per_doc=max(K, requests),
                                prefix_shared=shared)
     model = model_spec_for(spec.model.name, spec.model.dtype, device or _job_device(spec))
     return JobSample(workload=wl, model=model, docs_sampled=len(doc_tokens), docs_total=n_docs,
                      docs_total_estimated=estimated, truncated_docs=truncated, failed_docs=failed,
                      output_source=source)
+
+
+def _output_tokens(spec, use_report: bool) -> tuple[list[int], str]:
+    """(output tokens per request, where they come from): a previous complete run's observed
+    counts (``use_report``, when it left a report), else each task's max_tokens, once per sample."""
+    from dlbatch.prompts.sampling import task_sampling
+
+    if use_report:
+        obs = observed_outputs(spec)
+        if obs:
+            return obs, f"observed in a previous run's _report.json, {len(obs)} rows"
+    n = {t.name: task_sampling(spec, t.name).n or 1 for t in spec.tasks}  # each sample is one more request
+    return [t.max_tokens for t in spec.tasks for _ in range(n[t.name])], "max_tokens of the tasks"
+
+
+def _count_docs(inp, files: list[str], one_per_file: bool, docs_read: int, files_read: int) -> tuple[int, bool]:
+    """(documents of the job's input ``inp`` over the listed ``files``, whether estimated):
+    one per file, a Hub split's stated size, the rows of up to COUNT_FILES record files
+    counted, or more files extrapolated from the ``docs_read`` of the ``files_read`` sampled."""
+    from connectors.hf_hub import is_hub_url
+
+    estimated = False
+    if one_per_file:
+        total = len(files)
+    elif len(files) == 1 and is_hub_url(files[0]):  # a Hub dataset: its split's stated size
+        from connectors.listing import count_rows
+
+        total = count_rows(files[0], inp.format, 1 << 62, dict(inp.storage_options))
+    elif len(files) <= COUNT_FILES:  # record files: their rows counted, not parsed (JSONL lines, footers)
+        from connectors.listing import count_rows
+
+        stop = inp.limit if inp.limit is not None else 1 << 62
+        total = 0
+        for f in files:
+            total += count_rows(f, inp.format, stop - total, dict(inp.storage_options))
+            if total >= stop:
+                break
+    else:
+        total = max(docs_read, int(round(docs_read / files_read * len(files))))
+        estimated = True
+    if inp.limit is not None:
+        total = min(total, inp.limit)
+    return total, estimated
 
 
 def _job_device(spec) -> str:
