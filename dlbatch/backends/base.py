@@ -149,7 +149,6 @@ class EngineBackend(ABC):
                           num_threads=num_threads)
 
     # ---- the running engine -----------------------------------------------------------------
-
     @abstractmethod
     def add(self, kind: str, item: dict) -> object:
         """Admit one request; -> its key. Raises (ValueError, ...) for a request that is bad alone."""

@@ -75,11 +75,11 @@ class RunConfig:
         if problems:
             raise JobSpecError(spec.source, problems)
         sections = pools_of(spec, plan)
-        missing = [r for r in ("colocated", *PD_ROLES) if r in sections and r not in backend.roles]
+        missing = [r for r in ("colocated", *PD_ROLES) if r in sections and r not in limits.roles]
         if missing:
             where = f"plan {plan.get('pools')}" if plan is not None else "the job's cluster section"
             raise JobFailed(f"{where} has {'/'.join(missing)} pools, which model.backend {backend.name} cannot run "
-                            f"({'/'.join(backend.roles)} only; docs/backends.md)")
+                            f"({'/'.join(limits.roles)} only; docs/backends.md)")
         pools = {}
         for role, p in sections.items():
             worker = backend.worker_spec(spec.model, p, max_model_len=limits.max_model_len,
