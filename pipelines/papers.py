@@ -30,7 +30,9 @@ def prompt_actors(cluster_cpus: float, parse_concurrency: int = 1) -> tuple[int,
     return 1, top
 
 
-def build(spec, files: list[str], skip_doc_ids, parse_concurrency: int = 1):
+def build(spec, files: list[str], skip_doc_ids, *, max_model_len: int, parse_concurrency: int = 1):
+    """The job's Ray Data pipeline over ``files``, skipping ``skip_doc_ids``; prompts fit in
+    ``max_model_len``, the run's context length (`dlbatch.driver.config.RunConfig`)."""
     import ray
 
     from connectors.listing import limited_reads
@@ -54,6 +56,6 @@ def build(spec, files: list[str], skip_doc_ids, parse_concurrency: int = 1):
     ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec=without_storage_options(spec),
                                                                 skip_doc_ids=(skip_doc_ids if isinstance(skip_doc_ids, SkipSet)
                                                                               else SkipSet(skip_doc_ids)),
-                                                                map_reduce=True),
+                                                                map_reduce=True, max_model_len=max_model_len),
                         batch_size=None, batch_format="pyarrow", concurrency=(lo, hi), num_cpus=0.25)
     return ds

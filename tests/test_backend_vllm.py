@@ -18,12 +18,12 @@ import time
 
 import pytest
 
-from dlbatch.backends import unavailable_reason
+from dlbatch.backends import REGISTRY
 from dlbatch.jobspec import load_job
 from tests.helpers.jobs import (REPO, SEQ, canon, check_committed, cli_sets, committed_parts, kill_group_and_ray,
                                 output_rows, ray_env, run_until_inflight, start_run)
 
-WHY = unavailable_reason("vllm")
+WHY = REGISTRY["vllm"].unavailable_reason()
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(WHY is not None, reason=WHY or "")]
 
 # the sample job reduced: 3 papers, fp32 (the exactness claims are fp32 ones), a 2k context,
@@ -195,10 +195,10 @@ def test_gemma2_runs_a_job_end_to_end_and_matches_transformers(ray_local, gemma,
     rows = output_rows(out)
     assert rep["docs_ok"] == 3 and len(rows) == 9
     # the request our prompt stage makes for d0's first task, and transformers' greedy answer to it
-    from dlbatch.prompts.stage import PromptStage
+    from tests.helpers.stage import prompt_stage
 
     spec = load_job("jobs/papers_jsonl.yaml", [f"output.path={out}", *sets])
-    req = next(q for q in PromptStage(spec).process({"doc_id": "d0", "source": str(src), "text": "note 0: "
+    req = next(q for q in prompt_stage(spec).process({"doc_id": "d0", "source": str(src), "text": "note 0: "
                                                       + "tide fog wind " * 3}) if q["task"] == "summary")
     ids = list(req["prompt_ids"])
     with torch.no_grad():
@@ -210,11 +210,11 @@ def test_gemma2_runs_a_job_end_to_end_and_matches_transformers(ray_local, gemma,
 
 
 def test_our_engine_refuses_gemma2_naming_the_vllm_backend(gemma, tmp_path):
-    from dlbatch.backends import check_job
+    from dlbatch.driver.config import RunConfig
 
     spec = load_job("jobs/papers_jsonl.yaml", [f"output.path={tmp_path / 'o'}", f"model.name={gemma[0]}"])
     with pytest.raises(ValueError, match=r"gemma2.*model.backend: vllm"):
-        check_job(spec)
+        RunConfig.resolve(spec)
 
 
 # ------------------------------------------------------------ a model by Hub id, offline

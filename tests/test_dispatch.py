@@ -334,6 +334,7 @@ def test_hung_input_source_fails_naming_what_it_waited_for(tmp_path):
     """The driver idles on an input pipeline that yields nothing: bounded by input_timeout_s."""
     import time
 
+    from dlbatch.driver.config import RunConfig
     from dlbatch.driver.loop import DispatchLoop
     from dlbatch.output.parquet_store import ParquetStore
     from dlbatch.workers.pools import JobFailed, WorkerPools
@@ -349,7 +350,7 @@ def test_hung_input_source_fails_naming_what_it_waited_for(tmp_path):
 
     out = str(tmp_path / "out")
     spec = load_job("jobs/papers_jsonl.yaml", [f"output.path={out}"])
-    pools = WorkerPools(spec)  # not started: one colocated worker that is never called
+    pools = WorkerPools(RunConfig.resolve(spec))  # not started: one colocated worker that is never called
     pools.workers = {"colocated": [None]}
     t0 = time.time()
     tally = Tally(metrics=JobMetrics(spec.name), progress=Progress(spec.name, tty=False))

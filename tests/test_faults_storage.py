@@ -189,10 +189,11 @@ def test_remote_gguf_copy_goes_to_the_private_cache(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- shm
 
 def _pools(via, workers):
+    from dlbatch.driver.config import RunConfig
     from dlbatch.workers.pools import WorkerPools
     from dlbatch.jobspec import load_job
 
-    p = WorkerPools(load_job("jobs/papers_jsonl.yaml", []))
+    p = WorkerPools(RunConfig.resolve(load_job("jobs/papers_jsonl.yaml", [])))
     p.kv_via, p.workers = via, workers
     return p
 

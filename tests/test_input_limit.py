@@ -101,6 +101,6 @@ def test_limit_over_several_files_gives_the_same_documents_on_every_run(ray_loca
                                                f"output.path={tmp_path / 'out'}", "model.max_model_len=2048"])
     seen = []
     for _ in range(2):
-        ds = build(spec, files, set(), parse_concurrency=4)
+        ds = build(spec, files, set(), max_model_len=spec.model.max_model_len, parse_concurrency=4)
         seen.append(sorted({r["doc_id"] for r in ds.iter_rows()}))
     assert seen[0] == seen[1] == [f"a{i:05d}" for i in range(5)]

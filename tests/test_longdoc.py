@@ -152,12 +152,12 @@ def test_bad_settings_are_named(tok, paper):
 
 def _stage(tmp_path, monkeypatch, map_reduce=False, **job):
     from dlbatch.jobspec import parse_job
-    from dlbatch.prompts.stage import PromptStage
+    from tests.helpers.stage import prompt_stage
 
     monkeypatch.chdir(tmp_path)
     spec = {"name": "t", "pipeline": "papers", "model": {"name": "smollm2-135m-instruct", "max_model_len": 2048},
             "tasks": TASKS, **job}
-    return PromptStage(parse_job(spec), map_reduce=map_reduce)
+    return prompt_stage(parse_job(spec), map_reduce=map_reduce)
 
 
 @pytest.fixture(scope="module")

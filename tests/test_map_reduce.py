@@ -12,8 +12,8 @@ from dlbatch.jobspec import load_job
 from dlbatch.prompts.map_reduce import MapReduce
 from dlbatch.driver.retry_policy import RetryPolicy
 from dlbatch.router import Router, RouterConfig
-from dlbatch.prompts.stage import PromptStage
 from dlbatch.records import PART_SEP, request_id
+from tests.helpers.stage import prompt_stage
 
 PARA = ("Paragraph {i} of the long paper reports that perovskite absorbers lose efficiency under heat, "
         "humidity and light, and that encapsulation slows the loss by a factor the authors measure. ")
@@ -35,7 +35,7 @@ def _doc(n_paras: int):
 def _run(spec, rows, notes=lambda rid: f"note on {rid}", fail_once=()):
     """Drive a Dispatcher over `rows` with fake workers; returns (committed rows, submitted
     rounds as lists of request names)."""
-    mr = MapReduce(spec, PromptStage(spec, map_reduce=True).tok)
+    mr = MapReduce(spec, prompt_stage(spec, map_reduce=True).tok)
     d = Dispatcher({"colocated": 2}, Router(2, RouterConfig(window=64)), RetryPolicy(max_attempts=3),
                    max_batch_tokens=4096, inflight_cap=8, window=64, more_requests=mr.more_requests)
     for r in rows:
@@ -61,7 +61,7 @@ def _run(spec, rows, notes=lambda rid: f"note on {rid}", fail_once=()):
 
 def test_chunked_document_maps_then_reduces_one_row_per_task(tmp_path):
     spec = _spec(tmp_path)
-    rows = PromptStage(spec, map_reduce=True).process(_doc(24))
+    rows = prompt_stage(spec, map_reduce=True).process(_doc(24))
     assert rows and all(r["long_input_policy"] == "chunk" and not r["error"] for r in rows)
     n_chunks = rows[0]["chunk_count"]
     assert n_chunks >= 3 and len(rows) == 3 * n_chunks
@@ -81,7 +81,7 @@ def test_chunked_document_maps_then_reduces_one_row_per_task(tmp_path):
 
 def test_recursive_reduce_when_notes_do_not_fit(tmp_path):
     spec = _spec(tmp_path, ["chunking.map_max_tokens=120"])
-    rows = PromptStage(spec, map_reduce=True).process(_doc(60))
+    rows = prompt_stage(spec, map_reduce=True).process(_doc(60))
     n_chunks = rows[0]["chunk_count"]
     long_note = " ".join(["finding"] * 110)  # about map_max_tokens tokens per note: 9+ of them do not fit
     out, rounds = _run(spec, rows, notes=lambda rid: f"{rid} {long_note}")
@@ -92,7 +92,7 @@ def test_recursive_reduce_when_notes_do_not_fit(tmp_path):
 
 def test_a_lost_map_batch_is_redone_and_the_document_still_completes_once(tmp_path):
     spec = _spec(tmp_path)
-    rows = PromptStage(spec, map_reduce=True).process(_doc(24))
+    rows = prompt_stage(spec, map_reduce=True).process(_doc(24))
     victim = MapReduce.request_row(rows[1])["task"]
     out, rounds = _run(spec, rows, fail_once={victim})
     assert sum(t == victim for rd in rounds for t in rd) == 2
@@ -101,13 +101,13 @@ def test_a_lost_map_batch_is_redone_and_the_document_still_completes_once(tmp_pa
 
 def test_chunk_without_the_driver_is_a_clear_dead_letter(tmp_path):
     spec = _spec(tmp_path)
-    rows = PromptStage(spec, map_reduce=False).process(_doc(24))
+    rows = prompt_stage(spec, map_reduce=False).process(_doc(24))
     assert len(rows) == 1 and rows[0]["error_type"] == "LongInput" and "map-reduce" in rows[0]["error"]
 
 
 @pytest.mark.parametrize("policy", ["truncate", "middle"])
 def test_cut_policies_mark_rows(tmp_path, policy):
     spec = _spec(tmp_path, [f"long_inputs={policy}"])
-    rows = PromptStage(spec, map_reduce=True).process(_doc(24))
+    rows = prompt_stage(spec, map_reduce=True).process(_doc(24))
     assert len(rows) == 3 and all(r["truncated"] and r["long_input_policy"] == policy for r in rows)
     assert all(r["kept_tokens"] < r["doc_tokens"] for r in rows)

@@ -122,9 +122,9 @@ def test_unknown_engine_args_of_our_engine_are_named(tmp_path):
         load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", "model.engine_args.max_num_seq=8",
                                       "model.engine_args.warp=1"])
     spec = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", "model.engine_args.max_num_seqs=8"])
-    from dlbatch.workers.pools import engine_config
+    from dlbatch.driver.config import RunConfig
 
-    assert engine_config(spec, spec.cluster.prefill).max_num_seqs == 8
+    assert RunConfig.resolve(spec).pools["prefill"].worker.engine.max_num_seqs == 8
 
 
 def test_vllm_backend_with_pd_pools_is_refused_with_the_fix(tmp_path):
@@ -136,13 +136,14 @@ def test_vllm_backend_with_pd_pools_is_refused_with_the_fix(tmp_path):
 
 
 def test_a_backend_that_is_not_installed_is_a_clear_error(tmp_path, monkeypatch):
-    from dlbatch.backends import BackendUnavailable, check_job, vllm_backend
+    from dlbatch.backends import BackendUnavailable, vllm_backend
+    from dlbatch.driver.config import RunConfig
 
     monkeypatch.setattr(vllm_backend.importlib.util, "find_spec", lambda name: None)
     spec = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", "model.backend=vllm",
                                          "cluster.colocated.chip=fast"])
     with pytest.raises(BackendUnavailable, match=r"needs vLLM in this environment: pip install -e '.\[vllm\]'"):
-        check_job(spec)
+        RunConfig.resolve(spec)
 
 
 def test_our_engine_refuses_an_architecture_naming_the_backend_that_runs_it(tmp_path):
@@ -151,8 +152,8 @@ def test_our_engine_refuses_an_architecture_naming_the_backend_that_runs_it(tmp_
     d = tmp_path / "phi"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}))
-    from dlbatch.backends import check_job
+    from dlbatch.driver.config import RunConfig
 
     spec = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", f"model.name={d}"])
     with pytest.raises(ValueError, match=r"phi3.*not run by dlbatch's engine.*model.backend: vllm"):
-        check_job(spec)
+        RunConfig.resolve(spec)

@@ -172,7 +172,7 @@ def test_job_spec_rules(tmp_path):
 def test_prompt_stage_builds_one_request_row_per_line(tmp_path, sample_model):
     from connectors.parse import parse_file
     from dlbatch.prompts.sampling import request_sampling
-    from dlbatch.prompts.stage import PromptStage
+    from tests.helpers.stage import prompt_stage
 
     path = _write(tmp_path / "b.jsonl", [
         _line("chat", messages=MSGS, max_tokens=4, n=2, seed=5, temperature=0.7, logprobs=True, top_logprobs=2),
@@ -183,7 +183,7 @@ def test_prompt_stage_builds_one_request_row_per_line(tmp_path, sample_model):
         _line("tools", messages=MSGS, tools=[]),
     ])
     spec = parse_job(_job(tmp_path, path, model={"max_model_len": 128}))
-    stage = PromptStage(spec)
+    stage = prompt_stage(spec)
     rows = [r for d in parse_file({"url": path}, "openai_batch", "text", None, {}, None) for r in stage.process(d)]
     by = {}
     for r in rows:

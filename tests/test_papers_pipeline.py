@@ -25,18 +25,18 @@ def test_parse_fused_into_prompt_stage_streams_one_file_per_block(ray_local, sam
     from pipelines.papers import build
 
     from connectors.parse import parse_file
-    from dlbatch.prompts.stage import PromptStage
+    from tests.helpers.stage import prompt_stage
 
     spec = load_job(os.path.join(ROOT, "jobs/papers.yaml"), ["input.limit=3"])
     files = sorted(glob.glob(os.path.join(ROOT, "samples/papers/*.pdf")))[:3]
-    ds = build(spec, files, set())
+    ds = build(spec, files, set(), max_model_len=spec.model.max_model_len)
     ds.explain()
     plan = capsys.readouterr().out.split("Physical Plan (Optimized)")[-1]
     assert "ActorPoolMapOperator[FlatMap(parse_file)->MapBatches(PromptStage)]" in plan, plan
     batches = [b.to_pylist() for b in ds.iter_batches(batch_size=None, batch_format="pyarrow")]
     assert len(batches) == len(files)  # every file is its own block: the first one is not held for the others
     assert all(len({r["doc_id"] for r in b}) == 1 for b in batches)
-    stage = PromptStage(spec, [], map_reduce=True)
+    stage = prompt_stage(spec, [], map_reduce=True)
     expect = {}
     for f in files:
         for doc in parse_file({"url": f}, fmt="pdf", text_field="text", id_field=None, storage_options={},

@@ -39,12 +39,12 @@ def _jsonl(tmp_path, lines=SURROGATE_LINES) -> str:
 
 def _stage(tmp_path, monkeypatch, include_text=True):
     from dlbatch.jobspec import load_job
-    from dlbatch.prompts.stage import PromptStage
+    from tests.helpers.stage import prompt_stage
 
     spec = load_job(str(REPO / "jobs" / "papers_jsonl.yaml"),
                     [f"output.path={tmp_path / 'out'}", f"output.include_text={str(include_text).lower()}",
                      "model.max_model_len=2048"])
-    return PromptStage(spec)
+    return prompt_stage(spec)
 
 
 # ------------------------------------------------------------------ lone surrogates

@@ -62,7 +62,8 @@ def test_prefill_worker_to_decode_worker(ray_local, tiny_path, transport):
     import ray
 
     from dlbatch.transfer import rdt
-    from dlbatch.workers.actors import WorkerSpec, make_worker_class
+    from dlbatch.backends import WorkerSpec
+    from dlbatch.workers.actors import make_worker_class
     from dlbatch.engine.config import EngineConfig
 
     _skip_unavailable(transport)
@@ -96,7 +97,8 @@ def test_decode_worker_killed_mid_batch_then_retried(ray_local, tiny_path):
     (no hang), Ray restarts the worker, the retried batch gives the same tokens."""
     import ray
 
-    from dlbatch.workers.actors import WorkerSpec, make_worker_class
+    from dlbatch.backends import WorkerSpec
+    from dlbatch.workers.actors import make_worker_class
     from dlbatch.engine.config import EngineConfig
 
     spec = WorkerSpec(model=tiny_path, engine=EngineConfig(dtype="float32", max_model_len=256), chat=False)
@@ -136,7 +138,8 @@ def test_decode_worker_killed_mid_batch_then_retried(ray_local, tiny_path):
 def test_payload_from_other_model_refused_by_decode_worker(ray_local, tiny_path, tmp_path):
     import ray
 
-    from dlbatch.workers.actors import WorkerSpec, make_worker_class
+    from dlbatch.backends import WorkerSpec
+    from dlbatch.workers.actors import make_worker_class
     from dlbatch.engine.config import EngineConfig
 
     other = str(tmp_path / "other")
@@ -161,7 +164,8 @@ def test_prefill_worker_killed_before_its_kv_is_pulled(ray_local, tiny_path):
     runner's retry: the KV is recomputed) gives the reference tokens."""
     import ray
 
-    from dlbatch.workers.actors import WorkerSpec, make_worker_class
+    from dlbatch.backends import WorkerSpec
+    from dlbatch.workers.actors import make_worker_class
     from dlbatch.engine.config import EngineConfig
 
     spec = WorkerSpec(model=tiny_path, engine=EngineConfig(dtype="float32", max_model_len=256), chat=False, kv_transport="object_store")
@@ -207,7 +211,8 @@ def test_a_request_its_first_token_ends_keeps_its_logprobs(ray_local, tiny_path)
     import ray
 
     from dlbatch import LLM, SamplingParams
-    from dlbatch.workers.actors import WorkerSpec, make_worker_class
+    from dlbatch.backends import WorkerSpec
+    from dlbatch.workers.actors import make_worker_class
     from dlbatch.engine.config import EngineConfig
 
     spec = WorkerSpec(model=tiny_path, engine=EngineConfig(dtype="float32", max_model_len=256), chat=False)

@@ -9,7 +9,7 @@ import pytest
 from dlbatch.driver.document import Document
 from dlbatch.jobspec import parse_job
 from dlbatch.prompts.map_reduce import MapReduce
-from dlbatch.prompts.stage import PromptStage
+from tests.helpers.stage import prompt_stage
 
 # every message with its role, then what the kwargs asked for: <no_think> when thinking is off,
 # the task's style when it gives one
@@ -55,7 +55,7 @@ def _tail(prompt: str) -> str:
 
 
 def test_chunked_prompts_go_through_the_template_the_system_prompt_and_the_kwargs(spec):
-    stage = PromptStage(spec, map_reduce=True)
+    stage = prompt_stage(spec, map_reduce=True)
     rows = stage.process(_doc())
     assert not any(r["error"] for r in rows)
     tok = stage.tok
@@ -93,7 +93,7 @@ def test_chunked_prompts_go_through_the_template_the_system_prompt_and_the_kwarg
 def test_the_encoder_by_task_index_or_name_for_a_prompt_or_a_chat(spec):
     from dlbatch.prompts.encoder import PromptEncoder
 
-    stage = PromptStage(spec)
+    stage = prompt_stage(spec)
     enc, tok = PromptEncoder.for_job(spec, stage.tok), stage.tok
     assert enc.chat and enc.encode(1, "Q?") == enc.encode("field", "Q?")
     assert tok.decode(enc.encode("own", "Q?")) == ("<|system|>Answer in keywords only.<|end|>\n<|user|>Q?<|end|>\n"
@@ -116,7 +116,7 @@ def test_a_chunk_plan_rebuilt_by_an_encoder_that_disagrees_is_refused(spec):
     from dlbatch.prompts.encoder import PromptEncoder
     from dlbatch.prompts.longdoc import ChunkPlan
 
-    stage = PromptStage(spec, map_reduce=True)
+    stage = prompt_stage(spec, map_reduce=True)
     row = next(r for r in stage.process(_doc()) if r["chunk_plan"])
     state = json.loads(row["chunk_plan"])
     assert state["settings"]["chat"] is True

@@ -60,12 +60,12 @@ def test_packed_columns_keep_their_arrow_types_and_join_across_rows():
 
 
 def test_templates_read_columns_and_the_prompt_stage_renders_them(tmp_path, sample_model):
-    from dlbatch.prompts.stage import PromptStage
+    from tests.helpers.stage import prompt_stage
 
     path = _jsonl(tmp_path / "q.jsonl", QUESTIONS)
     spec = parse_job(_job(tmp_path, path, keep=["level"]))
     docs = parse_file({"url": path}, "jsonl", "text", "id", {}, None)
-    stage = PromptStage(spec)
+    stage = prompt_stage(spec)
     rows = [r for d in docs for r in stage.process(d)]
     assert [r["error"] for r in rows] == [None, None]
     prompt = stage.tok.decode(rows[0]["prompt_ids"])
@@ -78,13 +78,13 @@ def test_templates_read_columns_and_the_prompt_stage_renders_them(tmp_path, samp
 
 
 def test_a_messages_column_is_a_prompt(tmp_path, sample_model):
-    from dlbatch.prompts.stage import PromptStage
+    from tests.helpers.stage import prompt_stage
 
     path = _jsonl(tmp_path / "c.jsonl", CHATS)
     spec = parse_job(_job(tmp_path, path, tasks=[{"name": "reply", "messages": "{{ row.messages }}", "max_tokens": 4}]))
     (doc,) = parse_file({"url": path}, "jsonl", "text", "id", {}, None)
     assert doc["error"] is None and doc["text"] == "Answer in one word.\nCapital of Italy?"
-    stage = PromptStage(spec)
+    stage = prompt_stage(spec)
     (row,) = stage.process(doc)
     want = stage.tok.apply_chat_template(CHATS[0]["messages"])
     assert row["error"] is None and row["prompt_ids"] == stage.tok.encode(want, add_special_tokens=False)

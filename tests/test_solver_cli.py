@@ -101,10 +101,10 @@ def test_plan_one_chip_type_compares_colocated_and_pd_and_runner_reads_it(tmp_pa
     assert sum(p["replicas"] for p in plan["pools"]) <= 4
     # the runner's view of the plan: one PoolSpec per role, placed on Ray resource chip:<name>
     from dlbatch.jobspec import load_job
-    from dlbatch.workers.pools import pools_of
+    from dlbatch.driver.config import RunConfig
     from dlbatch.workers.session import chip_resource
 
-    pools = pools_of(load_job(JOB), plan)
+    pools = RunConfig.resolve(load_job(JOB), plan).pools
     assert set(pools) == {p["role"] for p in plan["pools"]}
     for p in plan["pools"]:
         assert pools[p["role"]].replicas == p["replicas"]

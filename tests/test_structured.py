@@ -177,10 +177,10 @@ def test_task_error_counts_as_the_tasks_outcome(tmp_path):
 
 # ---- prompts: per-task errors and chat control -------------------------------------------------------
 def _stage(tasks, **model):
-    from dlbatch.prompts.stage import PromptStage
+    from tests.helpers.stage import prompt_stage
 
     spec = _spec(tasks, model={"name": "smollm2-135m-instruct", "max_model_len": 2048, **model})
-    return PromptStage(spec)
+    return prompt_stage(spec)
 
 
 DOC = {"doc_id": "d1", "source": "s.pdf", "text": "A paper about paged attention.", "title": "T", "pages": 3}

@@ -144,10 +144,12 @@ def test_transfer_within_one_loopback_scope_still_works(live):
 # ------------------------------------------------------------------ placement of the job's workers
 
 def _pools(workers, overrides=()):
+    from dlbatch.driver.config import RunConfig
     from dlbatch.workers.pools import WorkerPools
     from dlbatch.jobspec import load_job
 
-    p = WorkerPools(load_job("jobs/papers_jsonl.yaml", ["cluster.kv_transport=dlslime", *overrides]))
+    spec = load_job("jobs/papers_jsonl.yaml", ["cluster.kv_transport=dlslime", *overrides])
+    p = WorkerPools(RunConfig.resolve(spec))
     p.kv_via, p.workers = "dlslime", workers
     return p
 
@@ -198,11 +200,11 @@ def test_workers_get_the_jobs_opt_in_not_the_drivers_env(monkeypatch, opt_in):
             made.append(opts)
             return Remote(lambda spec: object())
 
+    p = _pools({}, ["cluster.dlslime_allow_network=true"] if opt_in else [])  # the run's config: reads the model
     monkeypatch.setattr(session, "start_ray", lambda address, chips: False)
     monkeypatch.setattr(loader, "model_dir", lambda ref: None)
     monkeypatch.setattr(workers, "make_worker_class", lambda role, tensor_transport=False: _Cls())
     monkeypatch.setattr(pools_mod.WorkerPools, "_wait_for_resources", lambda self, since: None)
-    p = _pools({}, ["cluster.dlslime_allow_network=true"] if opt_in else [])
     p.kv_via = "object_store"
     monkeypatch.setattr(pools_mod.WorkerPools, "_choose_transport", lambda self, probe: ("dlslime", "job"))
     p.start(StartupClock(0.0))

@@ -30,7 +30,8 @@ def here(data, source, **kw):
 connectors.pdf.extract_pdf = here
 from dlbatch.driver.workload import job_workload
 from dlbatch.jobspec import load_job
-s = job_workload(load_job("jobs/papers.yaml", sys.argv[1:]), sample=8, use_report=False)
+spec = load_job("jobs/papers.yaml", sys.argv[1:])
+s = job_workload(spec, sample=8, use_report=False, max_model_len=spec.model.max_model_len)
 print("RESULT " + json.dumps({"sampled": s.docs_sampled, "total": s.docs_total, "failed": s.failed_docs}))
 """
 
@@ -86,7 +87,7 @@ def test_the_sample_is_parsed_with_the_jobs_caps(tmp_path, monkeypatch, sample_m
                     [f"input.path={d}", "input.max_pages=2", "input.max_file_bytes=1000000",
                      "input.parse_timeout_s=30", "input.parse_memory_mb=2048"])
     with caplog.at_level(logging.WARNING, logger="dlbatch.solver"):
-        s = job_workload(spec, sample=8, use_report=False)
+        s = job_workload(spec, sample=8, use_report=False, max_model_len=spec.model.max_model_len)
     assert s.docs_sampled == 2 and not s.failed_docs and not caplog.records
     caps = {"max_file_bytes": 1000000, "parse_timeout_s": 30.0, "parse_memory_mb": 2048}
     assert seen == [("good-a.pdf", 2, caps), ("good-b.pdf", 2, caps)]

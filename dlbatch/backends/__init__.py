@@ -1,58 +1,36 @@
-"""Engine backends behind one interface (base.py): dlbatch's own engine (native.py, every
-role, prefill/decode disaggregation included) and vLLM (vllm_backend.py, colocated). A
-job picks one with ``model.backend``; workers build it with `make_backend`."""
+"""Engine backends behind one interface (base.py) and their registry.
+
+`REGISTRY` maps a job's ``model.backend`` to the class that runs it: dlbatch's own engine
+(native.py: every role, prefill/decode disaggregation included) and vLLM (vllm_backend.py:
+colocated). The job schema's backend names are the registry's keys, and everything that
+depends on the backend (its checks, its context length, its worker configuration, which
+roles it fills) is asked of the class, so no other package names a backend. Importing this
+package imports no engine: vLLM and torch are imported inside the methods that need them.
+Workers build their backend with `make_backend`.
+"""
 from __future__ import annotations
 
-from dlbatch.backends.base import BackendUnavailable, EngineBackend
+from dlbatch.backends.base import BackendUnavailable, DisaggregatedBackend, EngineBackend, ModelLimits
+from dlbatch.backends.native import NativeBackend
+from dlbatch.backends.vllm_backend import VllmBackend
+from dlbatch.backends.worker_spec import WorkerSpec
 
-BACKENDS = ("dlbatch", "vllm")
-ROLES = {"dlbatch": ("colocated", "prefill", "decode"), "vllm": ("colocated",)}
+REGISTRY: dict[str, type[EngineBackend]] = {cls.name: cls for cls in (NativeBackend, VllmBackend)}
+DEFAULT_BACKEND = NativeBackend.name  # what a job without model.backend runs
 
-__all__ = ["BACKENDS", "ROLES", "BackendUnavailable", "EngineBackend", "check_job", "make_backend",
-           "unavailable_reason"]
-
-
-def unavailable_reason(name: str) -> str | None:
-    """Why backend ``name`` cannot run in this environment, or None."""
-    if name == "dlbatch":
-        return None
-    if name == "vllm":
-        from dlbatch.backends.vllm_backend import unavailable_reason as why
-
-        return why()
-    return f"unknown backend {name!r}; backends: {', '.join(BACKENDS)}"
+__all__ = ["DEFAULT_BACKEND", "REGISTRY", "BackendUnavailable", "DisaggregatedBackend", "EngineBackend",
+           "ModelLimits", "WorkerSpec", "backend_class", "make_backend"]
 
 
-def check_job(spec) -> None:
-    """Before a job runs: its backend is installed, its engine_args are the backend's own and
-    the backend runs the model's architecture; else a ValueError that names the problem."""
-    m = spec.model
-    why = unavailable_reason(m.backend)
-    if why:
-        raise BackendUnavailable(why)
-    if m.backend == "vllm":
-        from dlbatch.backends.vllm_backend import check_engine_args
-        from dlbatch.engine.loader import context_length, load_hf_config
-
-        check_engine_args(dict(m.engine_args))
-        limit = context_length(load_hf_config(m.ref))
-        if m.max_model_len and m.max_model_len > limit:
-            raise ValueError(f"model.max_model_len {m.max_model_len} exceeds the context of {m.ref!r} ({limit} "
-                             "tokens, its config.json)")
-    else:
-        from dlbatch.engine.loader import load_model_config
-
-        load_model_config(m.ref)  # an architecture our engine does not run is refused, naming vLLM
+def backend_class(name: str) -> type[EngineBackend]:
+    """The registered backend class called ``name``; an unknown name is an error naming the
+    known ones."""
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise BackendUnavailable(f"unknown backend {name!r}; backends: {', '.join(REGISTRY)}")
+    return cls
 
 
-def make_backend(spec, role: str, device: str) -> EngineBackend:
+def make_backend(spec: WorkerSpec, role: str, device: str) -> EngineBackend:
     """The backend ``spec.backend`` for a worker of ``role`` on ``device``."""
-    if spec.backend == "dlbatch":
-        from dlbatch.backends.native import NativeBackend
-
-        return NativeBackend(spec, role, device)
-    if spec.backend == "vllm":
-        from dlbatch.backends.vllm_backend import VllmBackend
-
-        return VllmBackend(spec, role, device)
-    raise BackendUnavailable(unavailable_reason(spec.backend) or spec.backend)
+    return backend_class(spec.backend)(spec, role, device)

@@ -44,24 +44,111 @@ they do not know which backend ran.
 
 ``stats()`` reports at least ``prefix_hit_tokens``, ``prefix_query_tokens``,
 ``kv_usage`` (0..1 of the KV cache in use), ``running``, ``waiting`` and ``fingerprint``.
+
+Besides the running engine, a backend class owns its configuration, asked of the class
+(no engine is built, no heavy package imported until a method needs it), so no other
+package branches on a backend's name (`dlbatch.backends.REGISTRY` maps names to classes):
+
+- ``unavailable_reason()``: why it cannot run in this environment (None: it can);
+- ``validate_model(model)``: cheap checks of a job's model section at job load (no model
+  files read), ``check_model(model, hf_config)``: the full checks before a run (its engine
+  arguments, the model's architecture, an explicit max_model_len against the context);
+- ``limits(model, hf_config)``: the context length it runs the model with and the worker
+  roles it fills (`ModelLimits`), one rule for job load, the prompt stage and the workers;
+- ``worker_spec(model, pool, ...)``: what each worker of a pool builds (`WorkerSpec`).
+
+A backend that fills the prefill and decode roles implements `DisaggregatedBackend`, the
+KV half of the contract.
 """
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from dlbatch.backends.worker_spec import WorkerSpec, engine_config
+
+PD_ROLES = ("prefill", "decode")
 
 
 class BackendUnavailable(ValueError):
     """The job names a backend this environment cannot run (not installed, or a role it lacks)."""
 
 
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a backend runs a model with: ``max_model_len`` (prompt + output tokens of one
+    request), where that number comes from (``source``, for messages naming it) and the
+    worker roles the backend fills."""
+
+    max_model_len: int
+    source: str
+    roles: tuple[str, ...]
+
+
 class EngineBackend(ABC):
     name: str = ""
     roles: tuple[str, ...] = ("colocated",)
+    pd_note: str = ""  # why the backend runs no prefill/decode pools, said when a job asks for them
 
     fingerprint: str  # the model's identity: PD peers and a resume must agree on it
     tokenizer: object  # dlbatch.engine.tokenizer.Tokenizer of the model (decodes first tokens)
 
+    # ---- the class: configuration, before any engine exists ---------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run in this environment (a package missing), or None."""
+        return None
+
+    @classmethod
+    def validate_model(cls, model) -> None:
+        """At job load: what can be checked of the job's ``model`` section without reading the
+        model or importing the engine; raises ValueError naming the bad value."""
+
+    @classmethod
+    def check_model(cls, model, hf_config: dict) -> None:
+        """Before a run: the job's ``model`` section against the model's ``config.json``
+        (``hf_config``): its engine_args are this backend's own, it runs the architecture, an
+        explicit max_model_len is within the model's context. Raises ValueError naming the
+        problem. Asked once `unavailable_reason` said the backend is installed."""
+        limit = cls.longest_context(hf_config)
+        if model.max_model_len and model.max_model_len > limit:
+            raise ValueError(f"model.max_model_len {model.max_model_len} exceeds the context of {model.ref!r} "
+                             f"({limit} tokens, its config.json)")
+
+    @classmethod
+    def longest_context(cls, hf_config: dict) -> int:
+        """The longest max_model_len this backend accepts for the model of ``hf_config``."""
+        from dlbatch.engine.loader import context_length
+
+        return context_length(hf_config)
+
+    @classmethod
+    def limits(cls, model, hf_config: dict | None) -> ModelLimits:
+        """The one rule for the context length: the job's ``model.max_model_len``; else the
+        model's context (its config.json, ``hf_config``) capped at DEFAULT_MAX_MODEL_LEN;
+        ``hf_config`` None (not read: at job load, a model not at hand) gives the cap, an
+        upper bound of what the run will use."""
+        from dlbatch.engine.config import DEFAULT_MAX_MODEL_LEN
+        from dlbatch.engine.loader import context_length
+
+        if model.max_model_len:
+            return ModelLimits(model.max_model_len, "model.max_model_len", cls.roles)
+        context = context_length(hf_config) if hf_config is not None else None
+        if context is not None and context < DEFAULT_MAX_MODEL_LEN:
+            return ModelLimits(context, f"the model's context ({model.name!r} config.json)", cls.roles)
+        return ModelLimits(DEFAULT_MAX_MODEL_LEN, "the engines' default max_model_len", cls.roles)
+
+    @classmethod
+    def worker_spec(cls, model, pool, *, max_model_len: int, max_batch_tokens: int, num_threads: int) -> WorkerSpec:
+        """What each worker of ``pool`` (a job's pool section) builds for the job's ``model``
+        section: the engine configuration with the run's ``max_model_len``; the job's
+        engine_args are this backend's own arguments, passed as they are."""
+        return WorkerSpec(model=model.ref, engine=engine_config(model, pool, max_model_len, max_batch_tokens),
+                          backend=cls.name, engine_args=dict(model.engine_args), chat=model.chat,
+                          num_threads=num_threads)
+
+    # ---- the running engine -----------------------------------------------------------------
     @abstractmethod
     def add(self, kind: str, item: dict) -> object:
         """Admit one request; -> its key. Raises (ValueError, ...) for a request that is bad alone."""
@@ -88,6 +175,43 @@ class EngineBackend(ABC):
         """Let go of the engine's resources (the worker is stopping)."""
 
 
+class DisaggregatedBackend(EngineBackend):
+    """The prefill/decode half of the contract: a backend that fills the prefill and decode
+    roles moves a request's KV from the prefill worker's engine to the decode worker's.
+
+    A prefill request's result is not a row but a handle: ``request_id``, ``token_ids``,
+    ``first_token`` (and ``first_logprobs``), ``finish_reason`` (set when the first token
+    ended the request: no decode follows), ``generator_state``, ``kv`` / ``kv_via`` (how
+    the decode worker pulls the KV), ``ttft_s``, ``t_first_token``, ``cached_tokens``. The
+    decode worker gets that handle and the original item, and either builds the row at once
+    (`first_token_result`) or imports the KV (`receive_kv`) and adds a "decode" request.
+
+    Invariants: every KV payload carries ``fingerprint`` and an import refuses one of
+    another model; the tensors a prefill worker keeps for a pull (`rdt_export`) are let go
+    once pulled or dropped.
+    """
+
+    roles = ("colocated", *PD_ROLES)
+
+    fingerprint: str  # carried by every KV payload; a decode worker refuses another model's KV
+
+    @abstractmethod
+    def rdt_export(self, prefilled: list[dict]) -> dict:
+        """kv_transport=rdt, prefill side: {request_id: packed KV} of the ``prefilled``
+        requests that need a decode (Ray's tensor transport moves the tensors)."""
+
+    @abstractmethod
+    def receive_kv(self, item: dict) -> dict:
+        """Decode side, on the calling thread (not the engine's): pull the KV that the
+        prefill handle in ``item`` names; -> the item ready for ``add("decode", ...)``."""
+
+    @abstractmethod
+    def first_token_result(self, prefilled: dict, item: dict) -> dict:
+        """The result row (`result_row`, logprobs included when ``item`` asked for them) of a
+        request whose first token ended it on the prefill worker (``prefilled``'s
+        ``finish_reason`` is set): nothing to decode, no KV to move."""
+
+
 def wall(perf: float | None) -> float | None:
     """A perf_counter stamp of this process as wall-clock time (time.time)."""
     return None if perf is None else perf + (time.time() - time.perf_counter())
@@ -95,12 +219,15 @@ def wall(perf: float | None) -> float | None:
 
 def result_row(request_id: str, text: str, output_ids: list[int], finish_reason: str, prompt_tokens: int,
                cached_tokens: int, ttft_s: float | None, latency_s: float | None,
-               t_first_token: float | None, logprobs: list | None = None, samples: list | None = None) -> dict:
-    """A finished request as every backend reports it (wall-clock times, seconds); ``logprobs``
-    and ``samples`` (see the module's docstring) only when the request asked for them."""
+               t_first_token: float | None, logprobs: list | None = None, samples: list | None = None,
+               t_done: float | None = None) -> dict:
+    """A finished request as every backend reports it (wall-clock times, seconds; ``t_done``
+    None: now); ``logprobs`` and ``samples`` (see the module's docstring) only when the
+    request asked for them."""
     row = {"request_id": request_id, "output": text, "output_ids": list(output_ids), "finish_reason": finish_reason,
            "prompt_tokens": prompt_tokens, "output_tokens": len(output_ids), "cached_tokens": cached_tokens,
-           "ttft_s": ttft_s, "latency_s": latency_s, "t_first_token": t_first_token, "t_done": time.time()}
+           "ttft_s": ttft_s, "latency_s": latency_s, "t_first_token": t_first_token,
+           "t_done": time.time() if t_done is None else t_done}
     if logprobs is not None:
         row["logprobs"] = logprobs
     if samples is not None:

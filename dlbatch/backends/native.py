@@ -16,7 +16,8 @@ import logging
 import threading
 from dataclasses import replace
 
-from dlbatch.backends.base import EngineBackend, result_row, sample_row, sampling_extras, wall
+from dlbatch.backends.base import DisaggregatedBackend, result_row, sample_row, sampling_extras, wall
+from dlbatch.backends.worker_spec import WorkerSpec, engine_config
 
 log = logging.getLogger("dlbatch.backends.native")
 
@@ -35,10 +36,51 @@ def request_params(r: dict):
                           constraint=r.get("constraint"), **sampling_extras(r))
 
 
-class NativeBackend(EngineBackend):
+class NativeBackend(DisaggregatedBackend):
     name = "dlbatch"
-    roles = ("colocated", "prefill", "decode")
 
+    # ---- the class: configuration -------------------------------------------------------------
+    @classmethod
+    def validate_model(cls, model) -> None:
+        """engine_args are `EngineConfig` fields, less those the job sets elsewhere (model.dtype,
+        model.max_model_len, the pool's device and GPU share)."""
+        if not model.engine_args:
+            return
+        from dataclasses import fields
+
+        from dlbatch.engine.config import EngineConfig
+
+        own = {"dtype", "device", "max_model_len", "device_share"}  # set by model.* and cluster.*
+        names = {f.name for f in fields(EngineConfig)} - own
+        bad = sorted(set(model.engine_args) - names)
+        if bad:
+            raise ValueError(f"engine_args: unknown argument(s) {', '.join(bad)} of the dlbatch engine; "
+                             f"it takes {', '.join(sorted(names))}")
+
+    @classmethod
+    def check_model(cls, model, hf_config: dict) -> None:
+        """The engine_args (`validate_model`), the architecture (an architecture our engine does
+        not run is refused, naming the backend that does) and the context."""
+        from dlbatch.engine.config import ModelConfig
+
+        cls.validate_model(model)
+        ModelConfig.from_hf(hf_config, source=f"{model.ref}/config.json")
+        super().check_model(model, hf_config)
+
+    @classmethod
+    def longest_context(cls, hf_config: dict) -> int:
+        """max_position_embeddings, times the factor of a dynamic RoPE (the engine's limit)."""
+        from dlbatch.engine.config import ModelConfig
+
+        return ModelConfig.from_hf(hf_config).context_limit
+
+    @classmethod
+    def worker_spec(cls, model, pool, *, max_model_len: int, max_batch_tokens: int, num_threads: int) -> WorkerSpec:
+        """The job's engine_args are `EngineConfig` fields: they go into the engine configuration."""
+        engine = engine_config(model, pool, max_model_len, max_batch_tokens, own=dict(model.engine_args))
+        return WorkerSpec(model=model.ref, engine=engine, backend=cls.name, chat=model.chat, num_threads=num_threads)
+
+    # ---- the running engine -------------------------------------------------------------------
     def __init__(self, spec, role: str, device: str):
         from dlbatch import LLM
 
@@ -199,6 +241,20 @@ class NativeBackend(EngineBackend):
         return out
 
     # ---- KV in (decode) -------------------------------------------------------------------------
+    def first_token_result(self, prefilled: dict, item: dict) -> dict:
+        """The row of a request its first token ended (EOS or a one-token budget): its text is
+        that token's (none for EOS), its times the prefill worker's (done at its first token)."""
+        p, first = prefilled, prefilled["first_token"]
+        logprobs = None
+        if p.get("first_logprobs") is not None and item.get("logprobs") is not None:
+            from dlbatch.engine.logprobs import logprob_entries
+
+            logprobs = logprob_entries(self.tokenizer, p["first_logprobs"])
+        text = self.tokenizer.decode([] if p["finish_reason"] == "stop" else [first])
+        return result_row(p["request_id"], text, [first], p["finish_reason"], len(p["token_ids"]),
+                          p.get("cached_tokens", 0), p.get("ttft_s"), p.get("ttft_s"), p.get("t_first_token"),
+                          logprobs=logprobs, t_done=p.get("t_first_token"))
+
     def receive_kv(self, item: dict) -> dict:
         """Decode side, on the calling thread (not the engine's): pull a request's KV through
         the transport it came by; the layers stay zero-copy views of the transport's buffers

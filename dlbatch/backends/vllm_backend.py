@@ -15,6 +15,9 @@ vLLM's. The sampling extras (min_p, penalties, logprobs, n: backends/base.py) ar
 parameters of the same names and meanings: logprobs of the raw distribution (its default
 ``logprobs_mode``), n choices seeded seed + i, reported as our engine reports them. ``model.engine_args`` are vLLM's `EngineArgs` (checked by `check_engine_args`).
 
+The context length is always the run's (``max_model_len``, resolved once from the job and
+the model: `EngineBackend.limits`), so vLLM sizes its KV for the prompts our stage makes.
+
 PD pools with vLLM are refused at validation: vLLM moves KV between its own prefill and
 decode instances through its KV connectors (NIXL, P2P NCCL, LMCache), which need GPUs; on
 its CPU build none of them runs (docs/backends.md).
@@ -38,6 +41,8 @@ log = logging.getLogger("dlbatch.backends.vllm")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 _KINDS = {"json_schema": "json", "regex": "regex", "choices": "choice", "grammar": "grammar"}
+# what the job says elsewhere: the model, and the context the whole run uses (one value, RunConfig)
+RESERVED_ARGS = {"model": "model.name", "tokenizer": "model.name", "max_model_len": "model.max_model_len"}
 # what we set unless the job's engine_args say otherwise
 DEFAULT_ARGS = {"enable_prefix_caching": True, "seed": 0,
                 "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": True}}
@@ -63,9 +68,10 @@ def check_engine_args(args: dict) -> None:
     vLLM is imported (seconds) only when there are names to check."""
     if not args:
         return
-    reserved = sorted({"model", "tokenizer"} & set(args))
+    reserved = sorted(set(RESERVED_ARGS) & set(args))
     if reserved:
-        raise ValueError(f"model.engine_args: {', '.join(reserved)} come from model.name, not engine_args")
+        raise ValueError("model.engine_args: " + "; ".join(f"{k} comes from {RESERVED_ARGS[k]}" for k in reserved)
+                         + ", not engine_args")
     unknown = sorted(set(args) - engine_arg_names())
     if unknown:
         raise ValueError(f"model.engine_args: unknown vLLM engine argument(s) {', '.join(unknown)} "
@@ -113,7 +119,7 @@ def _cpu_environment(num_threads: int) -> None:
     scheduler process we do not run), with OMP_NUM_THREADS and torch's thread count equal to
     that binding (Ray sets OMP_NUM_THREADS to the actor's num_cpus; vLLM's CPU attention
     refuses a step whose thread count differs from the binding's). OpenMP's settings are per
-    thread: the worker builds and steps the engine in one thread (driver/workers.py). A KV
+    thread: the worker builds and steps the engine in one thread (workers/engine_loop.py). A KV
     cache that fits beside other workers. Settings the user made stay."""
     import torch
 
@@ -130,11 +136,30 @@ def _cpu_environment(num_threads: int) -> None:
 class VllmBackend(EngineBackend):
     name = "vllm"
     roles = ("colocated",)
+    pd_note = ("Prefill/decode pools need vLLM's KV connectors (NIXL, P2P NCCL), which run on GPUs only and not on "
+               "its CPU build (docs/backends.md); dlbatch's own engine runs PD pools on any chip")
 
+    # ---- the class: configuration -------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return unavailable_reason()
+
+    @classmethod
+    def check_model(cls, model, hf_config: dict) -> None:
+        """engine_args are vLLM's `EngineArgs` (vLLM imported only when there are any); an
+        explicit max_model_len within the model's context. The architecture is vLLM's to
+        refuse, when the worker loads it."""
+        check_engine_args(dict(model.engine_args))
+        super().check_model(model, hf_config)
+
+    # ---- the running engine -------------------------------------------------------------------
     def __init__(self, spec, role: str, device: str):
         if role != "colocated":
             raise BackendUnavailable(f"the vLLM backend runs colocated workers only, not {role!r} (PD needs "
                                      "vLLM's KV connectors, GPU only: docs/backends.md)")
+        if not spec.engine.max_model_len:
+            raise ValueError("the vLLM backend is given its max_model_len (the run's, dlbatch.driver.config), "
+                             f"not vLLM's default: spec.engine.max_model_len is {spec.engine.max_model_len!r}")
         why = unavailable_reason()
         if why:
             raise BackendUnavailable(why)
@@ -148,13 +173,10 @@ class VllmBackend(EngineBackend):
         from dlbatch.engine.loader import load_tokenizer, model_identity
 
         check_engine_args(spec.engine_args)
-        path = model_dir_for_vllm(spec.model, spec.storage_options)
         e = spec.engine
-        args = {**DEFAULT_ARGS, "dtype": e.dtype, "max_num_seqs": e.max_num_seqs,
-                **({"max_model_len": e.max_model_len} if e.max_model_len else {}),
-                **({"max_num_batched_tokens": max(e.max_num_batched_tokens, e.max_model_len or 0)}
-                   if e.max_num_batched_tokens else {}),
-                **spec.engine_args}
+        path = model_dir_for_vllm(spec.model, spec.storage_options)
+        args = {**DEFAULT_ARGS, "dtype": e.dtype, "max_num_seqs": e.max_num_seqs, "max_model_len": e.max_model_len,
+                "max_num_batched_tokens": max(e.max_num_batched_tokens, e.max_model_len), **spec.engine_args}
         self.args = {"model": spec.model, **args}
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=path, tokenizer=path, **args))
         self.tokenizer = load_tokenizer(spec.model, spec.storage_options)

@@ -75,7 +75,7 @@ def paper_prompts(job: str, prefix_tokens: int, max_tokens: int, limit: int | No
         t["max_tokens"] = max_tokens
         t["long_inputs"] = None
     spec = parse_job(d, source=f"{job} (paper workload)")
-    stage = PromptStage(spec)
+    stage = PromptStage(spec, max_model_len=spec.model.max_model_len)  # set above: the paper's cut
     inp = spec.input
     files = list_inputs(inp.path, inp.format, dict(inp.storage_options))[:limit]
     out = []

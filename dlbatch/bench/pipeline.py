@@ -108,10 +108,10 @@ class HFGenerate:
 class RenderPrompts:
     """map_batches: documents -> request rows with the job's rendered, tokenized prompts."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, max_model_len: int):
         from dlbatch.prompts.stage import PromptStage
 
-        self.stage = PromptStage(spec)
+        self.stage = PromptStage(spec, max_model_len=max_model_len)
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
@@ -142,9 +142,11 @@ def model_ref(name: str) -> dict:
 def run_baseline(spec, jsonl: str, batch_size: int, dtype: str) -> tuple[dict, dict]:
     import ray
 
+    from dlbatch.driver.config import RunConfig
     from dlbatch.engine.loader import load_tokenizer
 
     ref = model_ref(spec.model.name)
+    max_model_len = RunConfig.resolve(spec).max_model_len
     threads = os.cpu_count() or 1
     t0 = time.perf_counter()
     started = False
@@ -154,8 +156,8 @@ def run_baseline(spec, jsonl: str, batch_size: int, dtype: str) -> tuple[dict, d
         started = True
     try:
         ds = ray.data.read_json(jsonl)
-        ds = ds.map_batches(RenderPrompts, fn_constructor_kwargs={"spec": spec}, batch_size=8,
-                            concurrency=1, num_cpus=0.25)
+        ds = ds.map_batches(RenderPrompts, fn_constructor_kwargs={"spec": spec, "max_model_len": max_model_len},
+                            batch_size=8, concurrency=1, num_cpus=0.25)
         ds = ds.map_batches(HFGenerate, fn_constructor_kwargs={"model_ref": ref, "dtype": dtype,
                                                                "threads": threads},
                             batch_size=batch_size, concurrency=1, num_cpus=1)
@@ -181,9 +183,10 @@ def agreement_fp32(spec, docs: list[dict], n_docs: int, max_tokens: int, chars: 
 
     from dlbatch.engine.llm import LLM
     from dlbatch.engine.sampling_params import SamplingParams
+    from dlbatch.driver.config import RunConfig
     from dlbatch.prompts.stage import PromptStage
 
-    stage = PromptStage(spec)
+    stage = PromptStage(spec, max_model_len=RunConfig.resolve(spec).max_model_len)
     reqs = []
     for d in docs[:n_docs]:
         doc = {"doc_id": d["id"], "source": "bench", "title": d["title"], "text": d["text"][:chars]}

@@ -126,10 +126,9 @@ def _summary(runs: list[dict]) -> dict:
 
 
 def run_vllm(args) -> int:
-    from dlbatch.backends import unavailable_reason
-    from dlbatch.backends.vllm_backend import model_dir_for_vllm
+    from dlbatch.backends.vllm_backend import model_dir_for_vllm, unavailable_reason
     from dlbatch.bench import limits
-    why = unavailable_reason("vllm")
+    why = unavailable_reason()
     if why:
         print(f"dlbatch bench pipeline --backend vllm: {why}", file=sys.stderr)
         return 2

@@ -66,6 +66,7 @@ def run(args) -> int:
     from dlbatch.jobspec import load_job
     from dlbatch.solver import (ModelSpec, catalog_profiles, format_plan, format_simulation, load_profile, simulate,
                                 solve)
+    from dlbatch.driver.config import RunConfig
     from dlbatch.driver.workload import job_workload
     from dlbatch.bench.chip_profile import format_profile, profile_device, save_profile_result
 
@@ -109,7 +110,8 @@ def run(args) -> int:
     # 2. plan ------------------------------------------------------------------------------
     # the job as written (its own output path): a previous run's _report.json there gives the
     # observed output lengths; the real run below writes to a temporary directory
-    sample = job_workload(load_job(job, base_overrides), sample=64)
+    planned = load_job(job, base_overrides)
+    sample = job_workload(planned, sample=64, max_model_len=RunConfig.resolve(planned).max_model_len)
     wl, model = sample.workload, sample.model
     K = wl.tasks_per_doc
     # what the runner keeps in flight: max_inflight_batches token-budget batches per worker,

@@ -164,11 +164,14 @@ def _load_spec(args):
 
 def _job_context(args):
     """(spec, JobSample, chip files, max_batch, chunk_tokens) for plan / simulate."""
+    from dlbatch.driver.config import RunConfig
     from dlbatch.driver.workload import job_workload
 
     spec = _load_spec(args)
+    config = RunConfig.resolve(spec)  # the context the run's prompt stage and workers will use
     try:
-        sample = job_workload(spec, sample=args.sample, n_docs=args.docs, use_report=not args.no_report)
+        sample = job_workload(spec, sample=args.sample, n_docs=args.docs, use_report=not args.no_report,
+                              max_model_len=config.max_model_len)
     except FileNotFoundError as e:
         raise ValueError(f"job {spec.name!r}: input not found: {e}") from None
     chips = args.chips or default_chip_files(spec.model.name)

@@ -1,14 +1,16 @@
 """`dlbatch validate JOB`: everything that can be checked before a run, without a model.
 
 In order, each step printing what it found: the job file loads (schema, templates, the
-cross-field checks of `load_job`); the pipeline exists; the inputs are listed (files,
+cross-field checks of `load_job`); the pipeline exists; the run's configuration resolves
+(`RunConfig`: the backend is installed and runs the model, the context length every later
+step uses, as a run would resolve it); the inputs are listed (files,
 bytes); the output path is writable (a probe file written and removed under its `_tmp/`);
 the first documents are parsed (in the isolated parser, under the job's caps) and their
 prompts built, each task's first prompt shown with its token count; the longest sampled
 documents and what the long-input policy does to them; the plan's time and cost estimate
 for this machine's profiled chips (or why there is none). Any failed check is one line
 ``error: ...`` naming the bad value, and exit code 2; nothing is started (no Ray, no
-engine: only the tokenizer is loaded).
+engine: only the model's config.json and tokenizer are read).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def cmd_validate(args) -> int:
     print(f"job {spec.name!r}: loads ({len(spec.tasks)} tasks, model {spec.model.name}, backend {spec.model.backend})")
     v = Validation(spec, max(1, args.docs), args.show_chars)
     try:
-        for check in (v.pipeline, v.inputs, v.output, v.prompts, v.estimate):
+        for check in (v.pipeline, v.config, v.inputs, v.output, v.prompts, v.estimate):
             check()
     except Invalid as e:
         print(f"error: {e}", file=sys.stderr)
@@ -54,14 +56,19 @@ class Invalid(Exception):
 
 
 class Validation:
-    """The checks of one job, in order; `inputs` lists the files the later checks read."""
+    """The checks of one job, in order; `config` resolves the context length and `inputs`
+    lists the files that the later checks use."""
 
     def __init__(self, spec, docs: int = 3, show_chars: int = 160):
         self.spec, self.docs, self.show_chars = spec, docs, show_chars
         self.files: list[str] = []
+        self.max_model_len = 0
 
     def pipeline(self) -> None:
         _pipeline(self.spec)
+
+    def config(self) -> None:
+        self.max_model_len = _config(self.spec)
 
     def inputs(self) -> None:
         self.files = _inputs(self.spec)
@@ -70,10 +77,10 @@ class Validation:
         _output(self.spec)
 
     def prompts(self) -> None:
-        _prompts(self.spec, self.files, self.docs, self.show_chars)
+        _prompts(self.spec, self.files, self.docs, self.show_chars, self.max_model_len)
 
     def estimate(self) -> None:
-        _estimate(self.spec, self.docs)
+        _estimate(self.spec, self.docs, self.max_model_len)
 
 
 def _pipeline(spec) -> None:
@@ -83,6 +90,20 @@ def _pipeline(spec) -> None:
         get_pipeline(spec.pipeline)
     except ValueError as e:
         raise Invalid(f"pipeline: {e}") from None
+
+
+def _config(spec) -> int:
+    """The run's configuration as `dlbatch run` resolves it; -> its max_model_len."""
+    from dlbatch.driver.config import RunConfig
+    from dlbatch.workers.pools import JobFailed
+
+    try:
+        config = RunConfig.resolve(spec)
+    except (ValueError, JobFailed) as e:
+        raise Invalid(str(e)) from None
+    print(f"model: backend {config.backend.name}, max_model_len {config.max_model_len:,} ({config.context_source}); "
+          f"pools {', '.join(f'{r} x{p.replicas}' for r, p in config.pools.items())}")
+    return config.max_model_len
 
 
 def _inputs(spec) -> list[str]:
@@ -151,13 +172,13 @@ def _output(spec) -> None:
     print(f"output: {out} is writable; {state}")
 
 
-def _prompts(spec, files: list[str], n_docs: int, show_chars: int) -> None:
+def _prompts(spec, files: list[str], n_docs: int, show_chars: int, max_model_len: int) -> None:
     from connectors.parse import parse_file
     from dlbatch.prompts.stage import PromptStage
     from dlbatch.records import base_task
 
     inp = spec.input
-    stage = PromptStage(spec)
+    stage = PromptStage(spec, max_model_len=max_model_len)
     docs: list[tuple[dict, list[dict]]] = []
     for url in files:
         if len(docs) >= n_docs:
@@ -199,14 +220,14 @@ def _prompts(spec, files: list[str], n_docs: int, show_chars: int) -> None:
               + (f", {int(r.get('kept_tokens') or 0):,} kept" if r.get("kept_tokens") else ""))
 
 
-def _estimate(spec, n_docs: int) -> None:
+def _estimate(spec, n_docs: int, max_model_len: int) -> None:
     try:
         from dlbatch.cli.solver import default_chip_files, local_available
         from dlbatch.driver.workload import job_workload
         from dlbatch.solver.commands import load_chips, plan_command
 
         chip_files = default_chip_files(spec.model.name)
-        sample = job_workload(spec, sample=n_docs)
+        sample = job_workload(spec, sample=n_docs, max_model_len=max_model_len)
         chips = load_chips(chip_files, sample.model)
         available = {k: n for k, n in local_available(chip_files).items() if k in chips}
         if not available:

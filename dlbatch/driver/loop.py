@@ -3,7 +3,7 @@ document is committed or dead-lettered.
 
 `DispatchLoop` owns one run's moving parts and nothing else: the `Dispatcher` (which
 request runs where, what a failure means: `dlbatch.driver.dispatch`), the actor calls
-(`RayWorkers`), the input feed, the commit buffer and the tally. Decisions live in those
+(`WorkerCalls`), the input feed, the commit buffer and the tally. Decisions live in those
 plain objects; the loop only moves rows between them and keeps every wait bounded
 (`_watchdog`). Invariants: a document is committed whole, in one part, or not at all; on any
 failure every document already complete is committed before the error propagates.
@@ -26,7 +26,7 @@ class DispatchLoop:
                  input_timeout_s: float = 600.0):
         from dlbatch.driver.commit_buffer import CommitBuffer
         from dlbatch.driver.feed import InputFeed
-        from dlbatch.workers.calls import RayWorkers
+        from dlbatch.workers.calls import WorkerCalls
         from dlbatch.prompts.map_reduce import MapReduce
 
         self.spec, self.store, self.pools, self.report, self.tally = spec, store, pools, report, tally
@@ -37,7 +37,7 @@ class DispatchLoop:
         self.result_fields = structured.result_fields(spec) + sampling.result_fields(spec)  # typed extra columns
         self.map_reduce = self._make_map_reduce()
         self.d = self._dispatcher(pools.workers)
-        self.calls = RayWorkers(pools, self.d, self._items_for)
+        self.calls = WorkerCalls(pools, self.d, self._items_for)
         self.feed = InputFeed(batches, prepare=MapReduce.request_row, order=self._order())
         self.buf = CommitBuffer(flush_docs, flush_seconds)
         self._last_check = 0.0

@@ -1,6 +1,8 @@
 """`dlbatch run`: one job from the job file to committed output.
 
-`JobRunner` composes the run: it reads what the output already holds (the manifest, the
+`JobRunner` composes the run: it resolves the run's configuration once (`RunConfig`: the
+backend, the context length, the pools and their workers' specs; the same values reach the
+prompt stage and every worker), reads what the output already holds (the manifest, the
 committed documents), lists the inputs, and when there is work it starts the compute plane
 (`WorkerPools`: Ray, worker actors, KV transport), the data plane (the job's Ray Data
 pipeline, prefetched by `BatchPrefetcher`), and runs the `DispatchLoop` until every
@@ -60,21 +62,23 @@ class JobRunner:
     # ------------------------------------------------------------------------------------
     def run(self) -> dict:
         from connectors.io_retry import retry_count
-        from dlbatch.backends import check_job
+        from dlbatch.driver.config import RunConfig
         from dlbatch.output import open_store
 
         spec = self.spec
         t_start = time.time()
         io_retries_start = retry_count()
-        check_job(spec)  # the backend runs here, takes its engine_args and the model's architecture
+        # once, before anything is written: the backend runs here (engine_args, architecture),
+        # the context every stage uses, the pools and what their workers build
+        config = RunConfig.resolve(spec, self.plan)
         store = open_store(spec.output)  # Parquet parts or a Delta table: the format that wrote the output
         store.files.take_lease(spec.name, "run --fresh" if self.fresh else "run")  # one writer per output
         try:
-            return self._run_leased(store, t_start, io_retries_start)
+            return self._run_leased(store, config, t_start, io_retries_start)
         finally:
             store.files.release_lease()
 
-    def _run_leased(self, store, t_start: float, io_retries_start: int) -> dict:
+    def _run_leased(self, store, config, t_start: float, io_retries_start: int) -> dict:
         from connectors import list_inputs
         from connectors.io_retry import retry_count
         import pyarrow as pa
@@ -82,15 +86,12 @@ class JobRunner:
         from connectors.formats import input_format
         from connectors.versions import input_versions, versions_digest
         from dlbatch.prompts.skip import SkipSet
-        from dlbatch.jobspec import check_resume_compatible, content_fields, fingerprint_fields, job_fingerprint
+        from dlbatch.jobspec import content_fields, fingerprint_fields, job_fingerprint
         from dlbatch.report.run import RunReport
 
         spec = self.spec
-        store = self._writer(store)
         content = content_fields(spec)
-        manifest = store.files.read_json("_manifest.json")
-        if manifest is not None:
-            check_resume_compatible(manifest.get("fields", {}), spec, output=spec.output.path, content=content)
+        store, manifest = self._writer(store, content)
         report = RunReport(spec, self.plan, t_start)
         report.startup.start("list_inputs")
         files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
@@ -145,7 +146,7 @@ class JobRunner:
             print(f"job {spec.name!r}: every input is already processed; nothing to do", file=sys.stderr)
             return report
         skip = SkipSet(pa.concat_arrays([prog["done_ids"], prog["failed_ids"]]))  # 8 bytes per document
-        out = self._run_pools(store, todo, skip, report,
+        out = self._run_pools(store, config, todo, skip, report,
                               docs_total_hint=len(files) if by_file else None)
         out = out.finish(store, retries={"worker": out.retries, "io": retry_count() - io_retries_start})
         if openai_export.wanted(spec):  # from the committed rows, before the job is marked complete
@@ -154,11 +155,14 @@ class JobRunner:
                                                   "inputs": sig})
         return out
 
-    def _writer(self, store):
-        """The store this run commits with (`run_store`: the job's format; a job asking another
-        format than the one that wrote the output is refused). --fresh: ``store``, the format
-        that wrote the output, deletes its files first; otherwise what a crashed (or
-        taken-over) holder left half done is finished before progress is read."""
+    def _writer(self, store, content: dict):
+        """-> (the store this run commits with, the output's manifest). The store is
+        `run_store`'s: the job's format; a job asking another format than the one that wrote
+        the output is refused. --fresh: ``store``, the format that wrote the output, deletes
+        its files first; otherwise what a crashed (or taken-over) holder left half done is
+        finished before progress is read. The manifest is checked against this job: a resume
+        must have the same output-determining settings."""
+        from dlbatch.jobspec import check_resume_compatible
         from dlbatch.output import run_store
 
         spec = self.spec
@@ -172,20 +176,24 @@ class JobRunner:
             rec = store.recover()  # what a crashed (or taken-over) holder left half done
             if store.files.lease.taken_over or any(rec.values()):
                 log.warning("resuming after an interrupted run: %s", rec)
-        return store
+        manifest = store.files.read_json("_manifest.json")
+        if manifest is not None:
+            check_resume_compatible(manifest.get("fields", {}), spec, output=spec.output.path, content=content)
+        return store, manifest
 
-    def _run_pools(self, store, files: list[str], skip_docs, report, docs_total_hint: int | None):
+    def _run_pools(self, store, config, files: list[str], skip_docs, report, docs_total_hint: int | None):
         """Workers up, input flowing, the loop run: what the report needs to finish."""
         from dlbatch.driver.feed import BatchPrefetcher
         from pipelines import get_pipeline
 
         spec = self.spec
-        pools = self.pools = WorkerPools(spec, self.plan, self.resource_timeout_s)
+        pools = self.pools = WorkerPools(config, self.resource_timeout_s)
         prefetch = None
         try:
             pools.start(report.startup)
             t_data = time.time()  # documents are parsed and tokenized while the workers load the model
-            prefetch = BatchPrefetcher(get_pipeline(spec.pipeline).build(spec, files, skip_docs))
+            prefetch = BatchPrefetcher(get_pipeline(spec.pipeline).build(spec, files, skip_docs,
+                                                                         max_model_len=config.max_model_len))
             report.startup.span("data_plan", t_data, time.time())
             pools.wait_ready(report.startup, report)
             return self._drive(store, prefetch, pools, report, docs_total_hint)

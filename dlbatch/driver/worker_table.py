@@ -7,7 +7,7 @@ of an earlier incarnation is not counted twice; its streak counts failure sites 
 the retry policy holds back a worker that keeps failing and puts it on probation (one batch
 at a time). `WorkerTable.pick` chooses the worker that takes a batch now; `blame` and
 `succeeded` record what a returned or failed batch says about its workers. The actors
-themselves are `dlbatch.workers` (`RayWorkers`); this table only decides.
+themselves are `dlbatch.workers` (`WorkerCalls`); this table only decides.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ This is the CLI side of the solver: it reads documents and loads the model's tok
 and config (the solver core itself never imports the engine). A sample of the job's
 documents (the first ``sample`` documents of the listed inputs) is rendered into task
 prompts and tokenized exactly as the pipeline does it (``dlbatch.prompts.stage.PromptStage``:
-same templates, chat template and long-input truncation), so the token counts are
-those the workers will see:
+same templates, chat template and long-input truncation to the run's ``max_model_len``), so
+the token counts are those the workers will see:
 
 * document prefix ``D`` = the token prefix common to a document's K task prompts
   (what the prefix cache shares), suffix ``S`` = the rest of each task's prompt;
@@ -118,9 +118,10 @@ def observed_outputs(spec) -> list[int] | None:
 
 
 def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: bool = True,
-                 device: str | None = None) -> JobSample:
+                 device: str | None = None, *, max_model_len: int) -> JobSample:
     """Read the first ``sample`` documents of ``spec`` (a validated JobSpec) and build the
-    Workload for ``n_docs`` documents (default: the job's document count)."""
+    Workload for ``n_docs`` documents (default: the job's document count); the prompts are
+    cut to ``max_model_len``, the run's context length (`dlbatch.driver.config.RunConfig`)."""
     from connectors import input_format, list_inputs
     from connectors.parse import parse_file
     from dlbatch.prompts.stage import PromptStage
@@ -134,7 +135,7 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
     one_per_file = input_format(inp.format).one_doc_per_file
     if inp.limit is not None and one_per_file:
         files = files[:inp.limit]
-    stage = PromptStage(spec)
+    stage = PromptStage(spec, max_model_len=max_model_len)
     K = len(spec.tasks)
     doc_tokens: list[int] = []
     suffix_tokens: list[int] = []

@@ -26,10 +26,11 @@ as inputs).
 
 Checks across sections run after the models validate (:func:`parse_job`): the
 output folder against the input folder, and every task's ``max_tokens`` below
-the job's ``max_model_len``. :func:`load_job` also reads the model's own context
-from its ``config.json`` when ``model.max_model_len`` is not set
-(:func:`model_context`). Prompt templates are compiled and rendered once against
-a sample document (`dlbatch.prompts.templates.check_template`).
+the job's ``max_model_len``, by the rule of the job's backend (`dlbatch.backends`).
+:func:`load_job` also reads the model's own context from its ``config.json`` when
+``model.max_model_len`` is not set (:func:`model_context`); a run checks the budgets again
+against the context it resolves (:func:`token_budget_problems`). Prompt templates are
+compiled and rendered once against a sample document (`dlbatch.prompts.templates.check_template`).
 
 The package, one module per section of the job file: `inputs`, `outputs`, `model`,
 `tasks` (tasks, sampling, chunking), `cluster` (router, batching, retries, cluster); `spec`
@@ -43,7 +44,7 @@ from dlbatch.jobspec.errors import JobSpecError, ResumeMismatchError
 from dlbatch.jobspec.fingerprint import (CONTENT_KEYS, check_resume_compatible, content_fields, fingerprint_diff,
                                          fingerprint_fields, job_fingerprint)
 from dlbatch.jobspec.inputs import InputSpec
-from dlbatch.jobspec.load import inline_schema_files, load_job, model_context, parse_job
+from dlbatch.jobspec.load import inline_schema_files, load_job, model_context, parse_job, token_budget_problems
 from dlbatch.jobspec.model import ModelSpec
 from dlbatch.jobspec.outputs import OutputSpec
 from dlbatch.jobspec.overrides import apply_overrides
@@ -55,6 +56,6 @@ from dlbatch.jobspec.tasks import (EXTRAS, OPENAI_KEEP, ChunkingSpec, SamplingSp
 __all__ = ["JobSpecError", "ResumeMismatchError", "InputSpec", "OutputSpec", "ModelSpec", "TaskSpec", "TaskOutputSpec",
            "SamplingSpec", "TaskSamplingSpec", "ChunkingSpec", "RouterSpec", "BatchingSpec", "RetriesSpec", "PoolSpec",
            "ClusterSpec", "JobSpec", "load_job", "parse_job", "apply_overrides", "inline_schema_files",
-           "model_context", "fingerprint_fields", "content_fields", "job_fingerprint", "fingerprint_diff",
-           "check_resume_compatible", "check_pool_device", "is_url", "CONTENT_KEYS", "EXTRAS", "OPENAI_KEEP",
+           "model_context", "token_budget_problems", "fingerprint_fields", "content_fields", "job_fingerprint",
+           "fingerprint_diff", "check_resume_compatible", "check_pool_device", "is_url", "CONTENT_KEYS", "EXTRAS", "OPENAI_KEEP",
            "openai_batch_tasks"]

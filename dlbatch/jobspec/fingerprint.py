@@ -5,6 +5,7 @@ import hashlib
 import json
 from typing import Any, Mapping, Optional
 
+from dlbatch.backends import DEFAULT_BACKEND
 from dlbatch.jobspec.errors import ResumeMismatchError, _short
 from dlbatch.jobspec.inputs import InputSpec
 from dlbatch.jobspec.spec import JobSpec
@@ -22,7 +23,7 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
         "model.dtype": spec.model.dtype,
         **({"model.revision": spec.model.revision} if spec.model.revision else {}),
         # set only off the default: older outputs keep their fingerprint
-        **({"model.backend": spec.model.backend} if spec.model.backend != "dlbatch" else {}),
+        **({"model.backend": spec.model.backend} if spec.model.backend != DEFAULT_BACKEND else {}),
         "model.max_model_len": spec.model.max_model_len,
         "model.chat": spec.model.chat,
         "model.system": spec.model.system,

@@ -1,6 +1,8 @@
 """Reading a job: YAML (safe loader only) -> overrides -> schema files inlined -> `JobSpec`,
 then the checks across sections (the output folder against the input folder, every
-``max_tokens`` against the context)."""
+``max_tokens`` against the context). The context is the job's backend's (`EngineBackend.limits`,
+the rule the run resolves with, `dlbatch.driver.config.RunConfig`): known at load from
+the job file and, where it is at hand, the model's config.json."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import yaml
 from pydantic import ValidationError
 
+from dlbatch.backends import ModelLimits, backend_class
 from dlbatch.jobspec.errors import JobSpecError, _short
 from dlbatch.jobspec.keys import _annotation_at, _known_keys_message
 from dlbatch.jobspec.model import ModelSpec
@@ -60,64 +63,58 @@ def parse_job(data: Mapping[str, Any], source: str = "<dict>") -> JobSpec:
         spec = JobSpec.model_validate(dict(data))
     except ValidationError as e:
         raise JobSpecError(source, [_problem_from_error(err) for err in e.errors()]) from None
-    problems = _cross_problems(spec, _declared_context(spec.model))
+    problems = _cross_problems(spec, backend_class(spec.model.backend).limits(spec.model, None))
     if problems:
         raise JobSpecError(source, problems)
     spec._source = source
     return spec
 
 
-def _declared_context(model: ModelSpec) -> tuple[int, str]:
-    """The job's max_model_len as the job file says it, without the model: model.max_model_len,
-    else the engines' cap on a model's own context (DEFAULT_MAX_MODEL_LEN)."""
-    if model.max_model_len:
-        return model.max_model_len, "model.max_model_len"
-    from dlbatch.engine.config import DEFAULT_MAX_MODEL_LEN
-
-    return DEFAULT_MAX_MODEL_LEN, "the engines' default max_model_len"
+def model_context(model: ModelSpec) -> ModelLimits:
+    """The backend's limits for the model (`EngineBackend.limits`, the rule the run resolves
+    with), known without loading weights where that is cheap: its config.json when the model
+    is a folder at hand (a local folder, a Hub snapshot in the cache); otherwise (a GGUF not
+    converted yet, a remote model, a model not found here) the backend's cap, an upper bound."""
+    return backend_class(model.backend).limits(model, None if model.max_model_len else _config_at_hand(model))
 
 
-def model_context(model: ModelSpec) -> tuple[int, str]:
-    """The max_model_len the workers will use, known without loading weights where that is
-    cheap: model.max_model_len; else the model's context from its config.json (a folder or a
-    Hub snapshot in the cache), at most DEFAULT_MAX_MODEL_LEN; else (a GGUF not converted
-    yet, a remote model, a model not found here) that cap, an upper bound."""
-    declared = _declared_context(model)
-    if model.max_model_len or is_url(model.name):
-        return declared
+def _config_at_hand(model: ModelSpec) -> dict | None:
+    """The model's config.json when it is a local folder (or a cached Hub snapshot), else None."""
+    if is_url(model.name):
+        return None
     try:
-        from dlbatch.engine.loader import context_length, resolve_model
+        from dlbatch.engine.loader import resolve_model
 
         folder = resolve_model(model.ref)
         if not os.path.isdir(folder):
-            return declared
+            return None
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-            context = context_length(json.load(f))
+            return json.load(f)
     except Exception:  # the run reports a model it cannot find or read, naming it
-        return declared
-    if context < declared[0]:
-        return context, f"the model's context ({model.name!r} config.json)"
-    return declared
+        return None
 
 
-def _cross_problems(spec: JobSpec, context: tuple[int, str]) -> list[tuple[str, str]]:
+def token_budget_problems(spec: JobSpec, limits: ModelLimits) -> list[tuple[str, str]]:
+    """A task's max_tokens (and the chunk map requests' budget) that leaves no room for a
+    prompt in the context ``limits.max_model_len`` (every document would be a dead letter)."""
+    budgets = [(f"tasks.{i}.max_tokens", t.max_tokens) for i, t in enumerate(spec.tasks)]
+    if "chunk" in {spec.long_inputs, *(t.long_inputs for t in spec.tasks)}:
+        budgets.append(("chunking.map_max_tokens", spec.chunking.map_max_tokens))
+    return [(key, f"{n} leaves no room for a prompt in max_model_len {limits.max_model_len} ({limits.source}); "
+                  f"max_tokens must be below it, with room for the document")
+            for key, n in budgets if n >= limits.max_model_len]
+
+
+def _cross_problems(spec: JobSpec, limits: ModelLimits) -> list[tuple[str, str]]:
     """Problems between sections: an output folder inside the input folder (its parts would
     be read back as inputs), a task's max_tokens that leaves no room for a prompt in the
-    model's context (every document would be a dead letter)."""
+    model's context (`token_budget_problems`)."""
     problems = []
     folder = _input_folder(spec)
     if folder is not None and _is_inside(spec.output.path, folder):
         problems.append(("output.path", f"{spec.output.path!r} is inside input.path {spec.input.path!r}: "
                                         "the outputs would be read back as inputs; write them elsewhere"))
-    limit, what = context
-    budgets = [(f"tasks.{i}.max_tokens", t.max_tokens) for i, t in enumerate(spec.tasks)]
-    if "chunk" in {spec.long_inputs, *(t.long_inputs for t in spec.tasks)}:
-        budgets.append(("chunking.map_max_tokens", spec.chunking.map_max_tokens))
-    for key, n in budgets:
-        if n >= limit:
-            problems.append((key, f"{n} leaves no room for a prompt in max_model_len {limit} ({what}); "
-                                  f"max_tokens must be below it, with room for the document"))
-    return problems
+    return problems + token_budget_problems(spec, limits)
 
 
 def _read_text(source: str, storage_options: Optional[Mapping[str, Any]] = None) -> str:

@@ -1,10 +1,14 @@
-"""``model:`` — which weights, which engine backend, which chat template."""
+"""``model:`` — which weights, which engine backend, which chat template.
+
+The backend names are the registry's (`dlbatch.backends.REGISTRY`), and the checks of the
+section that depend on the backend are its class's (`EngineBackend.validate_model`)."""
 from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
+from dlbatch.backends import DEFAULT_BACKEND, REGISTRY, backend_class
 from dlbatch.jobspec.inputs import STRICT
 
 
@@ -13,14 +17,21 @@ class ModelSpec(BaseModel):
 
     name: str = Field("smollm2-135m-instruct", min_length=1)  # alias, folder, GGUF, URL or Hub id org/name
     revision: Optional[str] = Field(None, min_length=1)  # a Hub id's branch, tag or commit
-    backend: Literal["dlbatch", "vllm"] = "dlbatch"  # which engine runs the model (dlbatch/backends)
+    backend: str = DEFAULT_BACKEND  # which engine runs the model: a name of dlbatch.backends.REGISTRY
     engine_args: dict[str, Any] = Field(default_factory=dict)  # the backend's own engine arguments
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    max_model_len: Optional[int] = Field(None, ge=1)  # null: the engine's default (EngineConfig)
+    max_model_len: Optional[int] = Field(None, ge=1)  # null: the model's context, at most 8192 (backend limits)
     chat: Optional[bool] = None
     system: Optional[str] = None  # system prompt of every task (a task's own `system` wins)
     chat_template: Optional[str] = None  # path to a Jinja chat template file, instead of the model's
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # extra template variables
+
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, value: str) -> str:
+        if value not in REGISTRY:
+            raise ValueError(f"{value!r} is not one of {', '.join(REGISTRY)}")
+        return value
 
     @model_validator(mode="after")
     def _check_engine(self) -> "ModelSpec":
@@ -30,17 +41,7 @@ class ModelSpec(BaseModel):
             if not is_hub_id(self.name) or "@" in self.name:
                 raise ValueError(f"revision {self.revision!r} applies to a Hub id (org/name) only, "
                                  f"not to {self.name!r}")
-        if self.backend == "dlbatch" and self.engine_args:
-            from dataclasses import fields
-
-            from dlbatch.engine.config import EngineConfig
-
-            own = {"dtype", "device", "max_model_len", "device_share"}  # set by model.* and cluster.*
-            names = {f.name for f in fields(EngineConfig)} - own
-            bad = sorted(set(self.engine_args) - names)
-            if bad:
-                raise ValueError(f"engine_args: unknown argument(s) {', '.join(bad)} of the dlbatch engine; "
-                                 f"it takes {', '.join(sorted(names))}")
+        backend_class(self.backend).validate_model(self)  # e.g. engine_args the backend does not take
         return self
 
     @property

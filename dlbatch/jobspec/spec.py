@@ -100,12 +100,13 @@ class JobSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_backend_pools(self) -> "JobSpec":
-        if self.model.backend == "vllm" and self.cluster.colocated is None:
+        from dlbatch.backends import backend_class
+
+        backend = backend_class(self.model.backend)
+        if any(role not in backend.roles for role in self.cluster.pools()):
             raise ValueError(
-                "model.backend vllm runs colocated workers only: set cluster.colocated (e.g. --set "
-                "cluster.colocated.chip=fast). Prefill/decode pools need vLLM's KV connectors (NIXL, P2P NCCL), "
-                "which run on GPUs only and not on its CPU build (docs/backends.md); dlbatch's own engine "
-                "runs PD pools on any chip")
+                f"model.backend {backend.name} runs {'/'.join(backend.roles)} workers only: set cluster.colocated "
+                f"(e.g. --set cluster.colocated.chip=fast). {backend.pd_note}")
         return self
 
     def __eq__(self, other: object) -> bool:

@@ -33,34 +33,22 @@ def derive_seed(job_seed: int, doc_id: str, task: str) -> int:
     return int.from_bytes(h[:4], "little")
 
 
-def model_limits(m) -> tuple:
-    """(tokenizer, max_model_len) of a job's ``model`` section: its max_model_len, else the
-    engine's default for the model (our engine's rule; with another backend the model's
-    context, at most DEFAULT_MAX_MODEL_LEN, as the workers are given)."""
-    from dlbatch.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-    from dlbatch.engine.loader import context_length, load_hf_config, load_model_config, load_tokenizer
-
-    tok = load_tokenizer(m.ref)
-    if m.max_model_len:
-        return tok, m.max_model_len
-    if getattr(m, "backend", "dlbatch") == "dlbatch":
-        return tok, EngineConfig().for_model(load_model_config(m.ref)).max_model_len
-    return tok, min(context_length(load_hf_config(m.ref)), DEFAULT_MAX_MODEL_LEN)
-
-
 class PromptStage:
     """map_batches: documents -> K request rows each (all of a document's rows in the same
     output batch, document first so the tasks share it as prefix)."""
 
-    def __init__(self, spec, skip_doc_ids=None, map_reduce: bool = False):
-        """``spec``: the validated job (`dlbatch.jobspec.JobSpec`; pickled to Ray Data's actors)."""
+    def __init__(self, spec, skip_doc_ids=None, map_reduce: bool = False, *, max_model_len: int):
+        """``spec``: the validated job (`dlbatch.jobspec.JobSpec`; pickled to Ray Data's actors);
+        ``max_model_len``: the run's context length, resolved once with the workers' own
+        (`dlbatch.driver.config.RunConfig`): a request's prompt + max_tokens fit in it."""
+        from dlbatch.engine.loader import load_tokenizer
         from dlbatch.prompts.encoder import PromptEncoder
         from dlbatch.prompts.skip import SkipSet
         from dlbatch.prompts.templates import compile_messages, compile_task_templates
 
         self.spec = spec
         m = self.spec.model
-        self.tok, self.max_model_len = model_limits(m)
+        self.tok, self.max_model_len = load_tokenizer(m.ref), int(max_model_len)
         self.encoder = PromptEncoder.for_job(spec, self.tok)  # every prompt's way to token ids
         # one renderer per task: a task whose prompt cannot be rendered for a document fails alone
         self.renders = [compile_task_templates([t]) if t.prompt is not None else None for t in self.spec.tasks]

@@ -1,39 +1,20 @@
 """Ray actors that own one inference engine each: colocated (prefill + decode), prefill-only
-(exports KV) and decode-only (imports KV). Each runs its engine in one loop thread so that
-requests from many concurrent calls share continuous batching; calls block until their own
-requests finish. Placed by resources: a pool's chip `fast` asks for `{"chip:fast": 1}`.
+(exports KV) and decode-only (imports KV). Each runs its engine in one loop thread
+(`dlbatch.workers.engine_loop.EngineLoop`) so that requests from many concurrent calls share
+continuous batching; calls block until their own requests finish. Placed by resources: a
+pool's chip `fast` asks for `{"chip:fast": 1}`. The prefill and decode actors use only the
+declared KV half of the backend contract (`dlbatch.backends.DisaggregatedBackend`:
+``rdt_export``, ``receive_kv``, ``first_token_result``, ``fingerprint``).
 
 The module imports Ray lazily; `make_worker_class(role)` returns the remote class.
 """
 from __future__ import annotations
 
-import logging
 import os
-import queue
-import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
-from dlbatch.engine.config import EngineConfig
-
-log = logging.getLogger("dlbatch.workers.actors")
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker needs to build its engine: the model, the engine configuration (one
-    object, `EngineConfig`, with the engine's defaults), and how it talks to the others."""
-
-    model: str
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    backend: str = "dlbatch"  # which engine runs the model (dlbatch/backends)
-    engine_args: dict = field(default_factory=dict)  # the backend's own engine arguments (vLLM's EngineArgs)
-    chat: bool | None = None
-    num_threads: int = 1
-    storage_options: dict | None = None
-    kv_transport: str = "object_store"  # how prefill workers hand KV to decode workers
-    kv_timeout_s: float = 120.0  # longest wait for a KV transfer (put, receive) before it fails
+from dlbatch.backends import WorkerSpec
+from dlbatch.workers.engine_loop import EngineLoop
 
 
 def local_device(device: str) -> str:
@@ -67,131 +48,12 @@ def probe_device(device: str) -> dict:
         return {"device": device, "cuda": False, "rdt": str(e)}
 
 
-class EngineLoop:
-    """Owns one engine backend (dlbatch/backends); one thread runs its `step()` while calls
-    enqueue requests and wait on futures, so the requests of many concurrent calls share
-    continuous batching. A request that fails fails alone; an engine failure fails every
-    pending request and the loop keeps serving."""
-
-    def __init__(self, spec: WorkerSpec, role: str):
-        self.role = role
-        self.device = local_device(spec.engine.device)
-        self.spec = spec
-        self.backend = None
-        self.inbox: queue.Queue = queue.Queue()
-        self.futures: dict[object, Future] = {}
-        self.busy_s = 0.0
-        self.started = time.time()
-        self.error: BaseException | None = None
-        built: Future = Future()
-        self.thread = threading.Thread(target=self._run, args=(built,), name=f"dlbatch-{role}-engine", daemon=True)
-        self.thread.start()
-        built.result()  # the backend is built in the thread that steps it: a build error raises here
-
-    def _run(self, built: Future) -> None:
-        """The engine thread: builds the backend here, so thread settings made while it starts
-        (torch's and OpenMP's thread count, vLLM-CPU's thread binding, all per thread) hold
-        for the steps, then loops."""
-        import torch
-
-        from dlbatch.backends import make_backend
-
-        try:
-            torch.set_num_threads(max(1, self.spec.num_threads))
-            self.backend = make_backend(self.spec, self.role, self.device)
-        except BaseException as e:
-            built.set_exception(e)
-            return
-        built.set_result(True)
-        self._loop()
-
-    # called from actor threads -----------------------------------------------------------
-    def submit(self, kind: str, item) -> Future:
-        fut: Future = Future()
-        self.inbox.put((kind, item, fut))
-        return fut
-
-    def cancel(self, futs: list[Future]) -> None:
-        """Abort the requests of these futures (a call that timed out): the engine drops them."""
-        self.inbox.put(("abort", futs, None))
-
-    # the engine thread ---------------------------------------------------------------------
-    def _admit(self, kind, item, fut) -> None:
-        if kind == "abort":
-            gone = {id(f) for f in item}
-            keys = [k for k, f in self.futures.items() if id(f) in gone]
-            self.backend.abort(keys)
-            for k in keys:
-                self.futures.pop(k, None)
-            return
-        try:
-            key = self.backend.add(kind, item)
-        except Exception as e:  # a bad request fails alone
-            fut.set_exception(e)
-            return
-        self.futures[key] = fut
-
-    def _loop(self) -> None:
-        be = self.backend
-        while True:
-            try:
-                block = not be.has_unfinished()
-                try:
-                    kind, item, fut = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
-                    self._admit(kind, item, fut)
-                    while True:
-                        kind, item, fut = self.inbox.get_nowait()
-                        self._admit(kind, item, fut)
-                except queue.Empty:
-                    pass
-                if not be.has_unfinished():
-                    continue
-                t0 = time.perf_counter()
-                finished = be.step()
-                self.busy_s += time.perf_counter() - t0
-                for key, res in finished:
-                    fut = self.futures.pop(key, None)
-                    if fut is None or fut.done():
-                        continue
-                    if isinstance(res, BaseException):
-                        fut.set_exception(res)
-                    else:
-                        fut.set_result(res)
-            except Exception as e:  # engine failure: fail every pending call, keep serving
-                log.exception("engine step failed")
-                self.error = e
-                be.abort_all()
-                for fut in self.futures.values():
-                    if not fut.done():
-                        fut.set_exception(e)
-                self.futures.clear()
-
-    def run_batch(self, kind: str, items: list[dict], timeout: float) -> list[dict]:
-        futs = [self.submit(kind, it) for it in items]
-        out = []
-        deadline = time.monotonic() + timeout
-        for it, f in zip(items, futs):
-            try:
-                out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
-            except Exception as e:  # report per request, never lose one silently
-                out.append({"request_id": it["request_id"], "error": f"{type(e).__name__}: {e}"})
-        late = [f for f in futs if not f.done()]
-        if late:
-            self.cancel(late)
-        return out
-
-    def stats(self) -> dict:
-        st = self.backend.stats()
-        st.update(role=self.role, pid=os.getpid(), busy_s=self.busy_s, uptime_s=time.time() - self.started)
-        return st
-
-
 class _WorkerBase:
     ROLE = "colocated"
 
     def __init__(self, spec: WorkerSpec):
         self.t_init = time.time()
-        self.loop = EngineLoop(spec, self.ROLE)
+        self.loop = EngineLoop(spec, self.ROLE, local_device(spec.engine.device))
         self.t_ready = time.time()
         self.faults = _drill_faults()
 
@@ -281,17 +143,8 @@ class DecodeWorkerImpl(_WorkerBase):
             if "error" in p:
                 out[p["request_id"]] = p
                 continue
-            if p.get("finish_reason") is not None:  # first token ended it
-                text = self.loop.backend.tokenizer.decode([] if p["finish_reason"] == "stop" else [p["first_token"]])
-                out[p["request_id"]] = {"request_id": p["request_id"], "output": text, "output_ids": [p["first_token"]],
-                                        "finish_reason": p["finish_reason"], "prompt_tokens": len(p["token_ids"]),
-                                        "output_tokens": 1, "cached_tokens": p.get("cached_tokens", 0),
-                                        "ttft_s": p.get("ttft_s"), "latency_s": p.get("ttft_s"),
-                                        "t_first_token": p.get("t_first_token"), "t_done": p.get("t_first_token")}
-                if p.get("first_logprobs") is not None and base.get("logprobs") is not None:
-                    from dlbatch.engine.logprobs import logprob_entries
-
-                    out[p["request_id"]]["logprobs"] = logprob_entries(self.loop.backend.tokenizer, p["first_logprobs"])
+            if p.get("finish_reason") is not None:  # first token ended it: the row, no decode
+                out[p["request_id"]] = self.loop.backend.first_token_result(p, base)
                 continue
             if p.get("kv_layers") is not None:  # RDT: already received and checked
                 work.append({**base, **p})

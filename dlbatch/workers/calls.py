@@ -1,6 +1,6 @@
 """The Ray side of dispatch: batches to actor calls, call outcomes and worker health back.
 
-`RayWorkers` does only what needs Ray: submit a `dlbatch.driver.dispatch.Batch` to its workers
+`WorkerCalls` does only what needs Ray: submit a `dlbatch.driver.dispatch.Batch` to its workers
 (`generate`, or `prefill` -> `decode` / `rdt_export` -> `decode_rdt`), wait for calls,
 ping workers the dispatcher marked unhealthy until they answer, read the actor table to
 tell a restarting worker from a dead one, and re-form the RDT collective group after a
@@ -28,7 +28,7 @@ def actor_state(actor) -> str | None:
         return None
 
 
-class RayWorkers:
+class WorkerCalls:
     """Actor calls for a Dispatcher over the actors of `pools` (`dlbatch.workers.pools.WorkerPools`,
     which keeps the workers' pids and the RDT group)."""
 

@@ -1,13 +1,15 @@
 """The compute plane of one run: Ray, the worker pools of the plan, the KV transport between
 them and the RDT collective group.
 
-`WorkerPools` owns everything the driver holds in Ray: it starts (or attaches to) Ray with
-the plan's chips declared, waits until some node provides each pool's chip resource, picks
-the KV transport (`dlbatch.transfer.choose`), creates one actor per replica (each owns one
-engine, `dlbatch.workers.actors`), waits until every worker has loaded its model, forms the
-RDT group when KV moves over Ray's direct tensor transport, and tears all of it down on
-`stop`. While the job runs it tells whether a chip resource went missing, records a
-restarted worker's new process and re-forms the RDT group over the live workers.
+`WorkerPools` owns everything the driver holds in Ray for the pools of the run's
+configuration (`dlbatch.driver.config.RunConfig`: the pools by role, what each worker
+builds): it starts (or attaches to) Ray with the pools' chips declared, waits until some
+node provides each pool's chip resource, picks the KV transport (`dlbatch.transfer.choose`),
+creates one actor per replica (each owns one engine, `dlbatch.workers.actors`), waits until
+every worker has loaded its model, forms the RDT group when KV moves over Ray's direct
+tensor transport, and tears all of it down on `stop`. While the job runs it tells whether
+a chip resource went missing, records a restarted worker's new process and re-forms the RDT
+group over the live workers.
 
 Invariant: every wait here is bounded and names what it waited for when it gives up
 (`JobFailed`); committed output is never touched.
@@ -18,6 +20,7 @@ import collections
 import logging
 import os
 import time
+from dataclasses import replace
 
 from dlbatch.transfer.errors import brief
 
@@ -30,46 +33,12 @@ class JobFailed(RuntimeError):
     """The job cannot go on (no worker or node can serve it); committed output is intact."""
 
 
-def engine_config(spec, pool):
-    """The engine configuration of a worker of ``pool`` for job ``spec``: the job's values
-    where it sets them, the engine's defaults (`EngineConfig`) everywhere else. The engine's
-    prefill chunk follows the router's batch size: one batch's prompts in a few steps, at
-    least 512 and at most 4096 tokens a step."""
-    from dlbatch.engine.config import EngineConfig
-
-    own = spec.model.engine_args if spec.model.backend == "dlbatch" else {}
-    base = dict(kv_cache_memory=pool.kv_cache_memory,
-                max_num_batched_tokens=max(512, min(spec.batching.max_batch_tokens, 4096)))
-    return EngineConfig(dtype=spec.model.dtype, device=pool.device, max_model_len=spec.model.max_model_len,
-                        device_share=pool.num_gpus if 0 < pool.num_gpus < 1 else 1.0, **{**base, **own})
-
-
-def pools_of(spec, plan: dict | None) -> dict:
-    """role -> PoolSpec: the job's cluster section, or the plan's pools on its chips."""
-    c = spec.cluster
-    pools = c.pools()
-    if plan is None:
-        return pools
-    from dlbatch.jobspec import PoolSpec
-
-    out = {}
-    for p in plan.get("pools", []):
-        base = pools.get(p["role"]) or c.prefill
-        out[p["role"]] = PoolSpec(chip=p.get("chip_resource") or base.chip, replicas=int(p["replicas"]),
-                                  device=base.device, num_cpus=base.num_cpus, num_gpus=base.num_gpus,
-                                  kv_cache_memory=base.kv_cache_memory)
-    if spec.model.backend != "dlbatch" and ("prefill" in out or "decode" in out):
-        raise JobFailed(f"plan {plan.get('pools')} has prefill/decode pools, which model.backend "
-                        f"{spec.model.backend} cannot run (colocated only; docs/backends.md)")
-    if "colocated" in out and ("prefill" in out or "decode" in out):
-        raise JobFailed(f"plans that mix colocated and PD pools are run as PD only on this version: {plan.get('pools')}")
-    return out
-
-
 class WorkerPools:
-    def __init__(self, spec, plan: dict | None = None, resource_timeout_s: float = 120.0):
-        self.spec = spec
-        self.pools = pools_of(spec, plan)
+    def __init__(self, config, resource_timeout_s: float = 120.0):
+        """``config``: the run's configuration (`dlbatch.driver.config.RunConfig`): the job, and
+        the pools by role, each with the `WorkerSpec` its workers build."""
+        self.spec = config.job
+        self.pools = config.pools  # role -> PoolConfig
         self.resource_timeout_s = resource_timeout_s  # a chip resource may be absent this long
         self.workers: dict[str, list] = {}  # role -> actor handles
         self.worker_pids: dict = {}  # (role, idx) -> pid of the worker's process
@@ -87,7 +56,7 @@ class WorkerPools:
     def start(self, startup) -> None:
         """Ray up, chip resources present, transport chosen, actors created (not yet loaded)."""
         from dlbatch.workers.session import chip_resource, start_ray
-        from dlbatch.workers.actors import WorkerSpec, make_worker_class
+        from dlbatch.workers.actors import make_worker_class
         from dlbatch.engine.loader import model_dir
 
         spec, pools = self.spec, self.pools
@@ -120,12 +89,7 @@ class WorkerPools:
         startup.start("workers_ready")
         for role, pool in pools.items():
             cls = make_worker_class(role, tensor_transport=use_rdt)
-            threads = max(1, int(round(pool.num_cpus))) if pool.device == "cpu" else 1
-            if pool.device == "cpu" and len(pools) == 1:
-                threads = max(threads, min(2, os.cpu_count() or 1))
-            wspec = WorkerSpec(model=spec.model.ref, engine=engine_config(spec, pool), chat=spec.model.chat,
-                               num_threads=threads, kv_transport=self.kv_via, backend=spec.model.backend,
-                               engine_args=dict(spec.model.engine_args) if spec.model.backend != "dlbatch" else {})
+            wspec = replace(pool.worker, kv_transport=self.kv_via)  # the transport is known once Ray is up
             opts = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources={chip_resource(pool.chip): 1},
                         max_restarts=MAX_RESTARTS, max_task_retries=0)
             if forwarded:
