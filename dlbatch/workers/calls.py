@@ -1,6 +1,6 @@
 """The Ray side of dispatch: batches to actor calls, call outcomes and worker health back.
 
-`WorkerCalls` does only what needs Ray: submit a `dlbatch.driver.dispatch.Batch` to its workers
+`WorkerCalls` does only what needs Ray: submit a `dlbatch.driver.batches.Batch` to its workers
 (`generate`, or `prefill` -> `decode` / `rdt_export` -> `decode_rdt`), wait for calls,
 ping workers the dispatcher marked unhealthy until they answer, read the actor table to
 tell a restarting worker from a dead one, and re-form the RDT collective group after a
