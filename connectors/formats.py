@@ -87,6 +87,11 @@ def _read_openai_batch(url: str, fs, path: str, o: ReadOptions) -> Iterator[dict
     return read_openai_batch(url, fs)
 
 
+def _read_dataset(url: str, fs, path: str, o: ReadOptions) -> Iterator[dict]:
+    raise ValueError("input.format 'dataset' is read from the ray.data.Dataset given to dlbatch.run(job, "
+                     "dataset=...), not from files (connectors/ray_dataset.py)")
+
+
 def _one(url: str, fs, path: str) -> Iterator[int]:
     yield 1
 
@@ -128,6 +133,8 @@ INPUT_FORMATS: dict[str, InputFormat] = {f.name: f for f in (
     # OpenAI Batch API request files (connectors/openai_batch.py)
     InputFormat("openai_batch", (".jsonl", ".jsonl.gz"), one_doc_per_file=False, has_columns=True,
                 read=_read_openai_batch, count=_lines, id_field="custom_id"),
+    # a ray.data.Dataset handed to dlbatch.run (connectors/ray_dataset.py): no files
+    InputFormat("dataset", (), one_doc_per_file=False, has_columns=True, read=_read_dataset, count=None),
 )}
 FORMATS = tuple(INPUT_FORMATS)  # the names, as ``input.format`` takes them
 

@@ -148,7 +148,7 @@ def custom_ids(path: str, fs, lines: set[int]) -> dict[int, str]:
 # ------------------------------------------------------------------ a body -> a request
 
 
-def translate(url: str, body: Any, model: str) -> dict:
+def translate(url: str, body: Any, model: str | tuple[str, ...]) -> dict:
     """A request body -> ``{"chat": bool, "messages" (chat) | "prompt" (completions),
     "max_tokens": int | None (None: the body sets none), "seed": int | None, "sampling": {...}}``.
 
@@ -156,8 +156,9 @@ def translate(url: str, body: Any, model: str) -> dict:
     temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
     stop (a list), n, logprobs (top-k per token; chat: top_logprobs when logprobs is true,
     completions: the integer) and constraint ({"kind": "json_schema", "spec": schema}).
-    Keys the body leaves out (or sets to null) are the job's ``sampling``. Raises
-    `InvalidRequest` naming the body key: a model other than ``model`` (``ModelMismatch``), a key
+    Keys the body leaves out (or sets to null) are the job's ``sampling``. ``model``: the name
+    (or names: ``model.name`` and ``model.served_model_name``) a body may give. Raises
+    `InvalidRequest` naming the body key: a model other than those (``ModelMismatch``), a key
     that would change the output and is not honoured (``UnsupportedParameter``), a bad value."""
     if not isinstance(body, dict):
         raise InvalidRequest(f"body must be a JSON object, got {_short(body)}")
@@ -166,9 +167,11 @@ def translate(url: str, body: Any, model: str) -> dict:
         raise InvalidRequest(f"url {_short(url)} is not supported (supported: {', '.join(URLS)})")
     given = {k: v for k, v in body.items() if v is not None}
     got = given.get("model")
-    if got != model:
-        raise InvalidRequest(f"body.model {_short(got)} is not this job's model.name {model!r}; a batch file runs "
-                             "on the job's model: set body.model to it (or model.name to the file's)", "ModelMismatch")
+    names = (model,) if isinstance(model, str) else tuple(model)
+    if got not in names:
+        raise InvalidRequest(f"body.model {_short(got)} is not this job's model ({', '.join(map(repr, names))}); a "
+                             "batch file runs on the job's model: name it in model.served_model_name (dlbatch batch "
+                             "--served-model-name), or set body.model", "ModelMismatch")
     allowed = CHAT_KEYS if chat else COMPLETION_KEYS
     for k in given:
         if k in allowed or k in IGNORED:

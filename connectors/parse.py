@@ -71,10 +71,12 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
         raise
     except Exception as e:  # a file the reader cannot handle becomes a dead letter
         out = [error_row(source=url, error_type=type(e).__name__, error=f"{type(e).__name__}: {e}"[:500])]
-    return [_row(d) for d in out]
+    return [document_row(d) for d in out]
 
 
-def _row(d: dict) -> dict:
+def document_row(d: dict) -> dict:
+    """A reader's row as the parse stage yields it: the document keys, its structure as JSON text,
+    strings repaired."""
     structure = None
     if "sections" in d:  # as JSON text with the characters as they are, then repaired like any string
         structure = repair_text(json.dumps({k: d[k] for k in STRUCTURE_KEYS}, ensure_ascii=False))

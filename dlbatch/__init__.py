@@ -1,14 +1,20 @@
 """dlbatch: batch LLM inference for long documents.
 
-Heavy modules (torch, ray) are imported lazily so that `dlbatch --help` is instant.
+Two entries: jobs (`run`, `load`, `RunResult`: dlbatch/api.py) and the engine alone (`LLM`,
+`SamplingParams`, `RequestOutput`). Heavy modules (torch, ray) are imported lazily so that
+`dlbatch --help` is instant.
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
+__all__ = ["run", "load", "RunResult", "LLM", "SamplingParams", "RequestOutput", "__version__"]
 
 
 def __getattr__(name: str):
+    if name in ("run", "load", "RunResult"):
+        from dlbatch import api
+
+        return getattr(api, name)
     if name == "LLM":
         from dlbatch.engine.llm import LLM
 

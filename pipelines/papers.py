@@ -30,16 +30,36 @@ def prompt_actors(cluster_cpus: float, parse_concurrency: int = 1) -> tuple[int,
     return 1, top
 
 
-def build(spec, files: list[str], skip_doc_ids, *, max_model_len: int, parse_concurrency: int = 1):
-    """The job's Ray Data pipeline over ``files``, skipping ``skip_doc_ids``; prompts fit in
-    ``max_model_len``, the run's context length (`dlbatch.driver.config.RunConfig`)."""
+def build(spec, files: list[str], skip_doc_ids, *, max_model_len: int, parse_concurrency: int = 1,
+          dataset=None, preprocess=None):
+    """The job's Ray Data pipeline over ``files`` (or the rows of ``dataset``, a
+    `ray.data.Dataset` given to `dlbatch.run`), skipping ``skip_doc_ids``; prompts fit in
+    ``max_model_len``, the run's context length (`dlbatch.driver.config.RunConfig`);
+    ``preprocess``: the pipeline's hook on each document (pipelines/__init__.py)."""
+    import ray
+
+    from connectors.secrets import without_storage_options
+    from dlbatch.prompts.skip import SkipSet
+    from dlbatch.prompts.stage import PromptStage
+
+    ds = _documents(spec, files) if dataset is None else _dataset_documents(spec, dataset)
+    lo, hi = prompt_actors(ray.cluster_resources().get("CPU", 1.0), parse_concurrency)
+    ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec=without_storage_options(spec),
+                                                                skip_doc_ids=(skip_doc_ids if isinstance(skip_doc_ids, SkipSet)
+                                                                              else SkipSet(skip_doc_ids)),
+                                                                map_reduce=True, max_model_len=max_model_len,
+                                                                preprocess=preprocess),
+                        batch_size=None, batch_format="pyarrow", concurrency=(lo, hi), num_cpus=0.25)
+    return ds
+
+
+def _documents(spec, files: list[str]):
+    """read (one item per file, or per file cut by input.limit) -> parse: document rows."""
     import ray
 
     from connectors.listing import limited_reads
     from connectors.parse import parse_file
-    from connectors.secrets import seal, without_storage_options
-    from dlbatch.prompts.skip import SkipSet
-    from dlbatch.prompts.stage import PromptStage
+    from connectors.secrets import seal
 
     inp = spec.input
     # input.limit: the first N rows of the sorted files, as per-file row caps (not ds.limit)
@@ -47,15 +67,21 @@ def build(spec, files: list[str], skip_doc_ids, *, max_model_len: int, parse_con
                           id_field=inp.id_field, max_pages=inp.max_pages)
     ds = ray.data.from_items([{"url": f, "max_rows": n} for f, n in reads],
                              override_num_blocks=max(1, min(len(reads), MAX_BLOCKS)))
-    ds = ds.flat_map(parse_file, fn_kwargs=dict(fmt=inp.format, text_field=inp.text_field, id_field=inp.id_field,
-                                                storage_options=seal(inp.storage_options), max_pages=inp.max_pages,
-                                                max_file_bytes=inp.max_file_bytes, parse_timeout_s=inp.parse_timeout_s,
-                                                parse_memory_mb=inp.parse_memory_mb),
-                     num_cpus=0.25)
-    lo, hi = prompt_actors(ray.cluster_resources().get("CPU", 1.0), parse_concurrency)
-    ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec=without_storage_options(spec),
-                                                                skip_doc_ids=(skip_doc_ids if isinstance(skip_doc_ids, SkipSet)
-                                                                              else SkipSet(skip_doc_ids)),
-                                                                map_reduce=True, max_model_len=max_model_len),
-                        batch_size=None, batch_format="pyarrow", concurrency=(lo, hi), num_cpus=0.25)
-    return ds
+    return ds.flat_map(parse_file, fn_kwargs=dict(fmt=inp.format, text_field=inp.text_field, id_field=inp.id_field,
+                                                  storage_options=seal(inp.storage_options), max_pages=inp.max_pages,
+                                                  max_file_bytes=inp.max_file_bytes,
+                                                  parse_timeout_s=inp.parse_timeout_s,
+                                                  parse_memory_mb=inp.parse_memory_mb),
+                       num_cpus=0.25)
+
+
+def _dataset_documents(spec, dataset):
+    """The user's dataset's rows as document rows (connectors/ray_dataset.py); input.limit
+    takes its first N rows."""
+    from connectors.ray_dataset import DatasetDocuments
+
+    if spec.input.limit is not None:
+        dataset = dataset.limit(spec.input.limit)
+    return dataset.map_batches(DatasetDocuments, fn_constructor_kwargs=dict(text_field=spec.input.text_field,
+                                                                            id_field=spec.input.id_field),
+                               batch_format="pyarrow", concurrency=1, num_cpus=0.25)

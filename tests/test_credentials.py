@@ -161,7 +161,7 @@ def test_no_storage_option_among_the_pipelines_task_and_actor_arguments(ray_loca
     spec = load_job("jobs/papers_jsonl.yaml", [f"input.path={doc}", "input.format=jsonl",
                                                f'input.storage_options={{key: "{SECRET}", token: "{REF}"}}',
                                                f'output.storage_options={{password: "{SECRET}"}}'])
-    ds = build(spec, [str(doc)], set())
+    ds = build(spec, [str(doc)], set(), max_model_len=2048)
     args = []
     op = ds._logical_plan.dag
     while op is not None:

@@ -30,6 +30,8 @@ PACKAGES = ("dlbatch", "connectors", "pipelines")
 # part -> the parts it may import (its own modules always)
 ALLOWED = {
     "base": set(),  # dlbatch.cache, dlbatch.cbuild: the per-user cache and the C-kernel builder
+    "root": {"api", "engine"},  # dlbatch/__init__.py: lazy re-exports of the two entries
+    "api": {"records", "driver", "output", "jobspec", "base"},  # dlbatch.api: run a job from Python
     "records": set(),  # dlbatch.records: request keys, result and dead-letter rows, shared by every stage
     "engine": {"base"},
     "transfer": {"base"},
@@ -48,7 +50,7 @@ ALLOWED = {
                "pipelines", "testing", "base"},
     "bench": {"records", "output", "workers", "backends", "driver", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report", "connectors",
               "pipelines", "base"},
-    "cli": {"records", "output", "workers", "backends", "bench", "driver", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report",
+    "cli": {"root", "api", "records", "output", "workers", "backends", "bench", "driver", "jobspec", "prompts", "router", "transfer", "engine", "solver", "report",
             "connectors", "pipelines", "base"},
 }
 
@@ -61,7 +63,7 @@ def part_of(module: str) -> str | None:
     if parts[0] != "dlbatch":
         return None
     if len(parts) == 1:
-        return "engine"  # the package re-exports the engine's API (LLM, SamplingParams)
+        return "root"  # the package: the job API (dlbatch.api) and the engine's (LLM, SamplingParams)
     if parts[1] in ("cache", "cbuild"):
         return "base"
     if parts[1] == "jobspec":

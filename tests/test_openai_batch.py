@@ -327,3 +327,46 @@ def test_openai_batch_job_end_to_end(ray_local, sample_model, tmp_path):
         (out / n).unlink()
     assert main(["export", str(job)]) == 0  # `dlbatch export`: the same files from the committed rows
     assert {n: (out / n).read_bytes() for n in before} == before
+
+
+def test_dlbatch_batch_answers_a_file_naming_another_model(sample_model, tmp_path):
+    """`dlbatch batch -i -o --model --served-model-name` (vllm run-batch's interface): five chat
+    requests written for "gpt-4o-mini" run unchanged; -o holds one response per request, each
+    an openai ChatCompletion; a rerun resumes (nothing generated again) and writes -o again."""
+    import subprocess
+    import sys
+
+    from openai.types.chat import ChatCompletion
+
+    req = tmp_path / "requests.jsonl"
+    req.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                       "body": {"model": "gpt-4o-mini", "max_tokens": 6, "temperature": 0,
+                                                "messages": [{"role": "user", "content": f"Say {i} in words."}]}})
+                           + "\n" for i in range(5)))
+    out = tmp_path / "results.jsonl"
+    cmd = [sys.executable, "-m", "dlbatch.cli", "batch", "-i", str(req), "-o", str(out), "--model", MODEL,
+           "--served-model-name", "gpt-4o-mini", "--set", "model.dtype=float32", "--set", "model.max_model_len=512",
+           "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(x["custom_id"] for x in lines) == [f"r{i}" for i in range(5)]
+    for x in lines:
+        assert x["error"] is None and x["response"]["status_code"] == 200
+        chat = ChatCompletion.model_validate(x["response"]["body"])
+        assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
+    first = out.read_text()
+    out.unlink()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert out.read_text() == first  # the same answers, from the work folder: none generated again
+
+
+def test_a_served_model_name_is_accepted_and_any_other_name_is_refused_naming_them():
+    from connectors.openai_batch import InvalidRequest, translate
+
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    assert translate("/v1/chat/completions", body, (MODEL, "gpt-4o-mini"))["chat"] is True
+    with pytest.raises(InvalidRequest, match=r"'smollm2-135m-instruct', 'gpt-4o'.*served_model_name") as e:
+        translate("/v1/chat/completions", body, (MODEL, "gpt-4o"))
+    assert e.value.code == "ModelMismatch"

@@ -28,7 +28,7 @@ RDT_KEEP = 4096  # prefill results kept for an RDT pull at most (oldest dropped,
 
 
 def request_params(r: dict):
-    from dlbatch import SamplingParams
+    from dlbatch.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=int(r["max_tokens"]), temperature=float(r.get("temperature", 0.0)),
                           top_p=float(r.get("top_p", 1.0)), top_k=int(r.get("top_k", 0)), seed=r.get("seed"),
@@ -82,7 +82,7 @@ class NativeBackend(DisaggregatedBackend):
 
     # ---- the running engine -------------------------------------------------------------------
     def __init__(self, spec, role: str, device: str):
-        from dlbatch import LLM
+        from dlbatch.engine.llm import LLM
 
         self.role = role
         self.device = device

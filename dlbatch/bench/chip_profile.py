@@ -267,7 +267,7 @@ def profile_device(model: str, name: str, device: str = "cpu", dtype: str = "bfl
     """Measure ``model`` on ``device`` and return the fitted profile plus what was measured."""
     import torch
 
-    from dlbatch import LLM
+    from dlbatch.engine.llm import LLM
     from dlbatch.driver.workload import model_spec_for
 
     if not isinstance(name, str) or not name.strip():

@@ -28,7 +28,8 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _ours(path, dtype, device, max_model_len, prefills, decode):
-    from dlbatch import LLM, SamplingParams
+    from dlbatch.engine.llm import LLM
+    from dlbatch.engine.sampling_params import SamplingParams
 
     llm = LLM(path, dtype=dtype, device=device, max_model_len=max_model_len, chat=False, enable_prefix_caching=False,
               max_num_batched_tokens=max(len(p) for p in prefills["prompts"]))

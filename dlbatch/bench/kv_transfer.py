@@ -303,7 +303,8 @@ def bench_overlap(model: str, tokens: int, transports, verify: bool, sink=None, 
     """An ``tokens``-token prefill of ``model`` streamed layer by layer through each transport."""
     import torch
 
-    from dlbatch import LLM, SamplingParams
+    from dlbatch.engine.llm import LLM
+    from dlbatch.engine.sampling_params import SamplingParams
     from dlbatch.engine.loader import load_model
     from dlbatch.transfer.payload import dtype_name, make_meta
 

@@ -55,7 +55,8 @@ def _run(path: str, tokens: int, budget: int, dtype: str) -> dict:
     import resource
     import time
 
-    from dlbatch import LLM, SamplingParams
+    from dlbatch.engine.llm import LLM
+    from dlbatch.engine.sampling_params import SamplingParams
 
     llm = LLM(path, dtype=dtype, max_model_len=tokens, chat=False, max_num_batched_tokens=budget, max_num_seqs=1,
               enable_prefix_caching=False)

@@ -87,7 +87,7 @@ def _resume_seconds(spec, docs: int) -> float:
         pass
 
     class _Probe(JobRunner):
-        def _run_pools(self, store, files, skip_docs, report, docs_total_hint):
+        def _run_pools(self, store, config, files, skip_docs, report, docs_total_hint):
             self.probe = {"skip": len(skip_docs), "t": time.perf_counter()}
             raise _Reached  # where the worker pools would start: stop here
 

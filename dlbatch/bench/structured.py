@@ -42,7 +42,7 @@ def _paper_schema(i: int) -> dict:
 
 
 def _step_times(llm, batch: int, constrained: bool, steps: int) -> list[float]:
-    from dlbatch import SamplingParams
+    from dlbatch.engine.sampling_params import SamplingParams
     from dlbatch.engine.constraint import Constraint
 
     eng = llm.engine
@@ -114,7 +114,7 @@ def _compile_times(llm, n: int) -> dict:
 
 
 def run(args) -> int:
-    from dlbatch import LLM
+    from dlbatch.engine.llm import LLM
 
     steps = 6 if args.quick else args.steps
     batches = [int(x) for x in args.batches.split(",") if x.strip()]

@@ -86,17 +86,17 @@ def cmd_run(args) -> int:
     except ValueError as e:
         print(f"invalid job file: pipeline: {e}", file=sys.stderr)
         return EXIT_INVALID
+    from dlbatch.api import run
+    from dlbatch.driver.runner import JobFailed
     from dlbatch.output.lease import LeaseHeld, LeaseLost
-    from dlbatch.driver.runner import JobFailed, JobRunner
 
+    options = dict(flush_docs=args.commit_docs, flush_seconds=args.commit_seconds,
+                   resource_timeout_s=args.resource_timeout, stall_timeout_s=args.stall_timeout,
+                   input_timeout_s=args.input_timeout,
+                   **({"compact_min_parts": args.compact_parts} if args.compact_parts is not None else {}))
     try:
-        runner = JobRunner(spec, fresh=args.fresh, plan=plan, progress=None if not args.no_progress else False,
-                           flush_docs=args.commit_docs, flush_seconds=args.commit_seconds,
-                           resource_timeout_s=args.resource_timeout, stall_timeout_s=args.stall_timeout,
-                           input_timeout_s=args.input_timeout)
-        if args.compact_parts is not None:
-            runner.compact_min_parts = args.compact_parts
-        report = runner.run()
+        report = run(spec, fresh=args.fresh, plan=plan, progress=None if not args.no_progress else False,
+                     options=options).report
     except KeyboardInterrupt:
         print(f"interrupted: {_committed(spec)}; rerun the same command to resume (nothing committed is redone)",
               file=sys.stderr)

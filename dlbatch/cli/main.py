@@ -25,7 +25,8 @@ def _add_generate(sub) -> None:
 
 
 def cmd_generate(args) -> int:
-    from dlbatch import LLM, SamplingParams
+    from dlbatch.engine.llm import LLM
+    from dlbatch.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
@@ -54,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     from dlbatch import bench
-    from dlbatch.cli import cluster, jobs, solver, validate
+    from dlbatch.cli import batch, cluster, jobs, solver, validate
 
-    return [jobs.register, validate.register, bench.register, cluster.register, solver.register]
+    return [jobs.register, batch.register, validate.register, bench.register, cluster.register, solver.register]
 
 
 

@@ -23,7 +23,7 @@ log = logging.getLogger("dlbatch.run")
 class DispatchLoop:
     def __init__(self, spec, store, pools, batches, report, tally, *, docs_total_hint: int | None = None,
                  flush_docs: int = 16, flush_seconds: float = 5.0, stall_timeout_s: float = 1800.0,
-                 input_timeout_s: float = 600.0):
+                 input_timeout_s: float = 600.0, postprocess=None, postprocess_fields=()):
         from dlbatch.driver.commit_buffer import CommitBuffer
         from dlbatch.driver.feed import InputFeed
         from dlbatch.workers.calls import WorkerCalls
@@ -34,7 +34,9 @@ class DispatchLoop:
         self.stall_timeout_s = stall_timeout_s  # no batch returned for this long while some are in flight
         self.input_timeout_s = input_timeout_s  # no input for this long while every worker was idle
         self.constraints = structured.task_constraints(spec)  # task -> engine constraint (its `output:`)
-        self.result_fields = structured.result_fields(spec) + sampling.result_fields(spec)  # typed extra columns
+        self.result_fields = (structured.result_fields(spec) + sampling.result_fields(spec)  # typed extra columns
+                              + list(postprocess_fields))
+        self.postprocess = postprocess  # the pipeline's hook on each result row (pipelines/__init__.py), or None
         self.map_reduce = self._make_map_reduce()
         self.d = self._dispatcher(pools.workers)
         self.calls = WorkerCalls(pools, self.d, self._items_for)
@@ -92,6 +94,11 @@ class DispatchLoop:
         for doc in d.take_completed():
             rows = (self.map_reduce.output_rows(doc, spec.model.name, extra) if self.map_reduce
                     else doc.output_rows(spec.model.name, extra))
+            rows, dead = self._postprocess(rows)
+            if dead:  # the hook failed on this document: its dead letter, the job goes on
+                self.buf.add_errors(dead)
+                self.tally.docs_failed(dead)
+                continue
             self.buf.add_document(rows)
             self.tally.doc_ok(rows)
         task_errors = d.take_task_errors()  # (document, task)s that failed alone: the document goes on
@@ -101,6 +108,22 @@ class DispatchLoop:
         if dead:
             self.buf.add_errors(dead)
             self.tally.docs_failed(dead)
+
+    def _postprocess(self, rows: list[dict]) -> tuple[list[dict], list[dict]]:
+        """(rows after the pipeline's postprocess hook, []), or ([], the document's dead letter)
+        when the hook raises or returns no mapping for one of its rows."""
+        if self.postprocess is None or not rows:
+            return rows, []
+        try:
+            out = [self.postprocess(dict(r)) for r in rows]
+            bad = next((type(o).__name__ for o in out if not isinstance(o, dict)), None)
+            if bad is not None:
+                raise TypeError(f"postprocess returned {bad}, not the row (a dict)")
+            return out, []
+        except Exception as e:  # noqa: BLE001 - a hook's failure is its document's, not the job's
+            r = rows[0]
+            return [], [{"doc_id": r["doc_id"], "source": r["source"], "task": None, "stage": "postprocess",
+                         "error_type": type(e).__name__, "error": f"postprocess failed: {e}"[:500]}]
 
     def _commit(self, force: bool = False) -> None:
         if not self.buf.due(force):

@@ -33,14 +33,22 @@ log = logging.getLogger("dlbatch.run")
 
 
 class JobRunner:
-    compact_min_parts: int | None = COMPACT_MIN_PARTS  # merge small parts at job end when more exist; None/-1: never
-
     def __init__(self, spec, fresh: bool = False, plan: dict | None = None, progress: bool | None = None,
                  flush_docs: int = 16, flush_seconds: float = 5.0, resource_timeout_s: float = 120.0,
-                 stall_timeout_s: float = 1800.0, input_timeout_s: float = 600.0):
+                 stall_timeout_s: float = 1800.0, input_timeout_s: float = 600.0,
+                 compact_min_parts: int | None = COMPACT_MIN_PARTS, dataset=None):
+        from pipelines import get_pipeline
+
         self.spec = spec
         self.fresh = fresh
         self.plan = plan
+        self.pipeline = get_pipeline(spec.pipeline)  # its build, and its Python hooks when it has them
+        self.dataset = dataset  # a ray.data.Dataset as the input (input.format dataset), else None: the files
+        if (dataset is None) != (spec.input.format != "dataset"):
+            raise ValueError("input.format 'dataset' reads the ray.data.Dataset given to dlbatch.run(job, dataset=...)"
+                             if dataset is None else f"a dataset was given, but the job's input.format is "
+                             f"{spec.input.format!r}; set input.format: dataset")
+        self.compact_min_parts = compact_min_parts  # merge small parts at job end when more exist; None/-1: never
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.flush_docs, self.flush_seconds = flush_docs, flush_seconds
         self.resource_timeout_s = resource_timeout_s  # a chip resource the pools need may be absent this long
@@ -92,6 +100,8 @@ class JobRunner:
         spec = self.spec
         content = content_fields(spec)
         store, manifest = self._writer(store, content)
+        if self.dataset is not None:
+            return self._run_dataset(store, config, content, t_start, io_retries_start)
         report = RunReport(spec, self.plan, t_start)
         report.startup.start("list_inputs")
         files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
@@ -155,6 +165,33 @@ class JobRunner:
                                                   "inputs": sig})
         return out
 
+    def _run_dataset(self, store, config, content: dict, t_start: float, io_retries_start: int) -> dict:
+        """A ray.data.Dataset as the input: its columns checked, every committed or
+        dead-lettered id skipped (exactly once and resume key on the ids, as for files). A
+        dataset has no version to compare, so a rerun reads it again and finds nothing to do."""
+        import pyarrow as pa
+
+        from connectors.io_retry import retry_count
+        from dlbatch.jobspec import fingerprint_fields, job_fingerprint
+        from dlbatch.prompts.columns import missing_columns
+        from dlbatch.prompts.skip import SkipSet
+        from dlbatch.report.run import RunReport
+
+        spec = self.spec
+        problems = missing_columns(spec, set(self.dataset.schema().names))
+        if problems:
+            raise ValueError("the dataset: " + "; ".join(problems))
+        prog = store.progress(tasks={t.name for t in spec.tasks})
+        store.files.write_json("_manifest.json", {"name": spec.name, "fingerprint": job_fingerprint(spec, content),
+                                                  "fields": {**fingerprint_fields(spec), **content}, "inputs": None,
+                                                  "limit": spec.input.limit, "complete": False, "started": t_start})
+        report = RunReport(spec, self.plan, t_start, already_done=prog["n_done"], already_failed=prog["n_failed"])
+        skip = SkipSet(pa.concat_arrays([prog["done_ids"], prog["failed_ids"]]))
+        out = self._run_pools(store, config, [], skip, report, docs_total_hint=None)
+        out = out.finish(store, retries={"worker": out.retries, "io": retry_count() - io_retries_start})
+        store.files.write_json("_manifest.json", {**(store.files.read_json("_manifest.json") or {}), "complete": True})
+        return out
+
     def _writer(self, store, content: dict):
         """-> (the store this run commits with, the output's manifest). The store is
         `run_store`'s: the job's format; a job asking another format than the one that wrote
@@ -184,7 +221,6 @@ class JobRunner:
     def _run_pools(self, store, config, files: list[str], skip_docs, report, docs_total_hint: int | None):
         """Workers up, input flowing, the loop run: what the report needs to finish."""
         from dlbatch.driver.feed import BatchPrefetcher
-        from pipelines import get_pipeline
 
         spec = self.spec
         pools = self.pools = WorkerPools(config, self.resource_timeout_s)
@@ -192,8 +228,9 @@ class JobRunner:
         try:
             pools.start(report.startup)
             t_data = time.time()  # documents are parsed and tokenized while the workers load the model
-            prefetch = BatchPrefetcher(get_pipeline(spec.pipeline).build(spec, files, skip_docs,
-                                                                         max_model_len=config.max_model_len))
+            prefetch = BatchPrefetcher(self.pipeline.build(spec, files, skip_docs, max_model_len=config.max_model_len,
+                                                           dataset=self.dataset,
+                                                           preprocess=getattr(self.pipeline, "preprocess", None)))
             report.startup.span("data_plan", t_data, time.time())
             pools.wait_ready(report.startup, report)
             return self._drive(store, prefetch, pools, report, docs_total_hint)
@@ -207,6 +244,7 @@ class JobRunner:
     def _drive(self, store, batches, pools, report, docs_total_hint: int | None):
         """Run the DispatchLoop; returns the finishing step of the report (`_Finish`)."""
         from dlbatch.driver.loop import DispatchLoop
+        from dlbatch.prompts.hooks import postprocess_fields
         from dlbatch.report.metrics import JobMetrics
         from dlbatch.report.progress import Progress
         from dlbatch.report.run import Tally
@@ -217,7 +255,9 @@ class JobRunner:
                       progress=Progress(spec.name, total_docs=docs_total_hint, initial_docs=already, tty=self.progress))
         loop = self.loop = DispatchLoop(spec, store, pools, batches, report, tally, docs_total_hint=docs_total_hint,
                                         flush_docs=self.flush_docs, flush_seconds=self.flush_seconds,
-                                        stall_timeout_s=self.stall_timeout_s, input_timeout_s=self.input_timeout_s)
+                                        stall_timeout_s=self.stall_timeout_s, input_timeout_s=self.input_timeout_s,
+                                        postprocess=getattr(self.pipeline, "postprocess", None),
+                                        postprocess_fields=postprocess_fields(self.pipeline))
         try:
             loop.run()
         finally:

@@ -15,7 +15,7 @@ class InputSpec(BaseModel):
     model_config = STRICT
 
     # openai_batch: OpenAI Batch API request files, one request a line (connectors/openai_batch.py)
-    format: Literal["pdf", "jsonl", "parquet", "text", "hf", "openai_batch"] = "pdf"
+    format: Literal["pdf", "jsonl", "parquet", "text", "hf", "openai_batch", "dataset"] = "pdf"
     path: str = "samples/papers"
     text_field: str = Field("text", min_length=1)
     id_field: Optional[str] = None

@@ -25,6 +25,9 @@ class ModelSpec(BaseModel):
     system: Optional[str] = None  # system prompt of every task (a task's own `system` wins)
     chat_template: Optional[str] = None  # path to a Jinja chat template file, instead of the model's
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # extra template variables
+    # other names a request may give for this model (an OpenAI batch body's "model"), as vLLM's
+    # --served-model-name: bodies written for another deployment run unchanged
+    served_model_name: list[str] = Field(default_factory=list)
 
     @field_validator("backend")
     @classmethod
@@ -43,6 +46,11 @@ class ModelSpec(BaseModel):
                                  f"not to {self.name!r}")
         backend_class(self.backend).validate_model(self)  # e.g. engine_args the backend does not take
         return self
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names a request may give for this model: ``name``, then ``served_model_name``."""
+        return (self.name, *self.served_model_name)
 
     @property
     def ref(self) -> str:

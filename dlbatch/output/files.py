@@ -94,13 +94,18 @@ class OutputFiles:
             pass
 
     # ---- whole files and the records ------------------------------------------------------------------
-    def read_json(self, name: str) -> dict | None:
+    def read_bytes(self, name: str) -> bytes | None:
+        """A whole file of the folder; None when it is not there."""
         from connectors.io_retry import call_with_retry
 
         p = self.path(name)
         if not call_with_retry(self.fs.exists, p, op=f"exists {p}"):
             return None
-        return json.loads(call_with_retry(self.fs.cat_file, p, op=f"read {p}"))
+        return call_with_retry(self.fs.cat_file, p, op=f"read {p}")
+
+    def read_json(self, name: str) -> dict | None:
+        body = self.read_bytes(name)
+        return None if body is None else json.loads(body)
 
     def write_json(self, name: str, data: dict) -> None:
         """Write then rename, so readers never see half a file."""

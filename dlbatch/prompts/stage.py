@@ -20,6 +20,7 @@ import logging
 
 from connectors.parse import STRUCTURE_KEYS
 from connectors.repair import repair_row, repair_text
+from dlbatch.prompts.hooks import Skip, apply_preprocess
 from dlbatch.prompts.sampling import expand_samples, task_sampling
 
 log = logging.getLogger("dlbatch.prompts.stage")
@@ -37,10 +38,13 @@ class PromptStage:
     """map_batches: documents -> K request rows each (all of a document's rows in the same
     output batch, document first so the tasks share it as prefix)."""
 
-    def __init__(self, spec, skip_doc_ids=None, map_reduce: bool = False, *, max_model_len: int):
+    def __init__(self, spec, skip_doc_ids=None, map_reduce: bool = False, *, max_model_len: int,
+                 preprocess=None):
         """``spec``: the validated job (`dlbatch.jobspec.JobSpec`; pickled to Ray Data's actors);
         ``max_model_len``: the run's context length, resolved once with the workers' own
-        (`dlbatch.driver.config.RunConfig`): a request's prompt + max_tokens fit in it."""
+        (`dlbatch.driver.config.RunConfig`): a request's prompt + max_tokens fit in it;
+        ``preprocess``: the pipeline's hook on each document's template context
+        (dlbatch/prompts/hooks.py), or None."""
         from dlbatch.engine.loader import load_tokenizer
         from dlbatch.prompts.encoder import PromptEncoder
         from dlbatch.prompts.skip import SkipSet
@@ -56,7 +60,9 @@ class PromptStage:
         self.keep = bool(self.spec.output.keep_columns)  # request rows carry the input's columns
         from dlbatch.prompts.templates import reads_row
 
-        self.reads_row = any(reads_row(t.source) for t in self.spec.tasks)  # else a row's columns stay packed
+        self.preprocess = preprocess
+        # else a row's columns stay packed (a hook may read them: then they are unpacked)
+        self.reads_row = preprocess is not None or any(reads_row(t.source) for t in self.spec.tasks)
         self.map_reduce = map_reduce   # True: `chunk` documents become ChunkPlan map rows
         # ids not to redo: a SkipSet (8 bytes per id) from the driver, or any iterable of ids
         self.skip = skip_doc_ids if isinstance(skip_doc_ids, SkipSet) else SkipSet(skip_doc_ids or ())
@@ -121,6 +127,13 @@ class PromptStage:
             ctx = self._context(doc)
         except Exception as e:
             return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
+        if self.preprocess is not None:
+            try:
+                ctx = apply_preprocess(self.preprocess, ctx)
+            except Skip as e:
+                return [self._error(base, "preprocess", "Skipped", f"skipped by the pipeline's preprocess: {e}"[:500])]
+            except Exception as e:  # the hook failed on this document: its dead letter
+                return [self._error(base, "preprocess", type(e).__name__, f"preprocess failed: {e}"[:500])]
         ids: dict[int, list[int]] = {}
         errors: dict[int, Exception] = {}
         for k in range(len(tasks)):
@@ -190,7 +203,7 @@ class PromptStage:
 
         cols = unpack(doc.get("columns"))
         try:
-            req = translate(cols.get("url"), json.loads(cols.get("body") or "null"), self.spec.model.name)
+            req = translate(cols.get("url"), json.loads(cols.get("body") or "null"), self.spec.model.served_names)
         except InvalidRequest as e:
             return [self._error(base, "prompt", e.code, str(e)[:500])]
         ids = self.encoder.encode(0, req["messages"]) if req["chat"] else self.tok.encode(req["prompt"])

@@ -43,6 +43,7 @@ class WorkerPools:
         self.workers: dict[str, list] = {}  # role -> actor handles
         self.worker_pids: dict = {}  # (role, idx) -> pid of the worker's process
         self.needed_resources: dict = {}  # chip resource -> the role whose pool needs it
+        self.by_chip = True  # workers ask for their chip resource (`_place_by_chip`)
         self.kv_via = "object_store"  # how prefill workers hand KV to decode workers
         self.rdt_backend = self.rdt_group = self.rdt_device = None
         self.rdt_regroups = 0  # times the group was re-formed after a worker restart
@@ -74,7 +75,8 @@ class WorkerPools:
         startup.start("ray_start")
         self._ray_started = start_ray(spec.cluster.address, dict(chips))
         startup.end("ray_start")
-        self.needed_resources = {chip_resource(p.chip): role for role, p in pools.items()}
+        self.by_chip = self._place_by_chip(chips)
+        self.needed_resources = {chip_resource(p.chip): role for role, p in pools.items()} if self.by_chip else {}
         self._wait_for_resources(time.time())
         if self.pd and spec.cluster.kv_transport == "auto":
             self.kv_via, why = self._choose_transport(probe=self._probe_devices)
@@ -90,7 +92,8 @@ class WorkerPools:
         for role, pool in pools.items():
             cls = make_worker_class(role, tensor_transport=use_rdt)
             wspec = replace(pool.worker, kv_transport=self.kv_via)  # the transport is known once Ray is up
-            opts = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources={chip_resource(pool.chip): 1},
+            opts = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
+                        resources={chip_resource(pool.chip): 1} if self.by_chip else {},
                         max_restarts=MAX_RESTARTS, max_task_retries=0)
             if forwarded:
                 opts["runtime_env"] = {"env_vars": forwarded}
@@ -125,13 +128,32 @@ class WorkerPools:
         from dlbatch.workers.actors import probe_device
 
         probe = ray.remote(probe_device)
-        refs = [probe.options(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources={chip_resource(p.chip): 1})
+        refs = [probe.options(num_cpus=p.num_cpus, num_gpus=p.num_gpus,
+                              resources={chip_resource(p.chip): 1} if self.by_chip else {})
                 .remote(p.device) for p in (self.pools["prefill"], self.pools["decode"])]
         try:
             return ray.get(refs, timeout=300)
         except ray.exceptions.GetTimeoutError:
             raise JobFailed("kv_transport=auto: the prefill/decode pools' resources did not come up within 300 s "
                             "to probe their devices; set cluster.kv_transport explicitly") from None
+
+    def _place_by_chip(self, chips: dict) -> bool:
+        """Whether the workers ask Ray for their pool's ``chip:<name>`` resource: always, except
+        on a one-node Ray the caller started before us (a notebook's `ray.init()`, or the one
+        a `ray.data` call starts) that declares none of them: custom resources are fixed when
+        Ray starts, and with one node there is nothing to choose between."""
+        import ray
+
+        from dlbatch.workers.session import chip_resource
+
+        if self._ray_started or self.spec.cluster.address is not None:
+            return True
+        have = ray.cluster_resources()
+        if any(have.get(chip_resource(c), 0) for c in chips) or len(ray.nodes()) != 1:
+            return True
+        log.info("the Ray session this process joined is one node without chip resources: the pools (%s) are "
+                 "placed on it without them", ", ".join(sorted(chips)))
+        return False
 
     # ---- resources -----------------------------------------------------------------------------
     def missing_resources(self) -> list[str]:
