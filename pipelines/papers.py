@@ -49,7 +49,8 @@ def build(spec, files: list[str], skip_doc_ids, *, max_model_len: int, parse_con
                                                                               else SkipSet(skip_doc_ids)),
                                                                 map_reduce=True, max_model_len=max_model_len,
                                                                 preprocess=preprocess),
-                        batch_size=None, batch_format="pyarrow", concurrency=(lo, hi), num_cpus=0.25)
+                        batch_size=None, batch_format="pyarrow",
+                        compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi), num_cpus=0.25)
     return ds
 
 
@@ -78,10 +79,12 @@ def _documents(spec, files: list[str]):
 def _dataset_documents(spec, dataset):
     """The user's dataset's rows as document rows (connectors/ray_dataset.py); input.limit
     takes its first N rows."""
+    import ray
+
     from connectors.ray_dataset import DatasetDocuments
 
     if spec.input.limit is not None:
         dataset = dataset.limit(spec.input.limit)
     return dataset.map_batches(DatasetDocuments, fn_constructor_kwargs=dict(text_field=spec.input.text_field,
                                                                             id_field=spec.input.id_field),
-                               batch_format="pyarrow", concurrency=1, num_cpus=0.25)
+                               batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)

@@ -159,3 +159,22 @@ def test_an_uninstalled_backend_is_named_before_the_model_is_read(job, monkeypat
     spec = job(*VLLM, "model.name=/nowhere")
     with pytest.raises(BackendUnavailable, match="vLLM is not installed here"):
         RunConfig.resolve(spec)
+
+
+def test_a_resume_in_half_precision_warns_that_its_rows_may_differ(caplog):
+    """Rows generated in bf16 depend on the batch a prompt lands in; a resumed run says so
+    (a float32 run does not: it reproduces the tokens)."""
+    import logging
+    from types import SimpleNamespace
+
+    from dlbatch.driver.runner import _warn_if_not_reproducible
+
+    def config(dtype, device):
+        worker = SimpleNamespace(engine=SimpleNamespace(dtype=dtype))
+        return SimpleNamespace(pools={"colocated": SimpleNamespace(worker=worker, device=device)})
+
+    with caplog.at_level(logging.WARNING, logger="dlbatch.run"):
+        _warn_if_not_reproducible(config("float32", "cpu"), 3)
+        assert not caplog.records
+        _warn_if_not_reproducible(config("bfloat16", "cuda"), 3)
+    assert len(caplog.records) == 1 and "bfloat16" in caplog.text and "float32 reproduces" in caplog.text

@@ -148,6 +148,8 @@ class JobRunner:
                                                   "started": t_start})
         todo = [f for f in files if f not in prog["sources_done"]] if by_file else files
         report.already_done, report.already_failed = prog["n_done"], prog["n_failed"]
+        if manifest and not manifest.get("complete") and prog["n_done"]:
+            _warn_if_not_reproducible(config, prog["n_done"])
         if not todo:
             report = report.finish(store, compaction=self._compact_output(store))
             if openai_export.wanted(spec):
@@ -281,6 +283,21 @@ class JobRunner:
         except Exception as e:
             log.warning("compaction of %s skipped: %s", store.files.url, brief(e))
             return {"error": brief(e)}
+
+
+def _warn_if_not_reproducible(config, n_done: int) -> None:
+    """A resumed run generates its documents in other batches than an uninterrupted run would:
+    in a half-precision dtype the same prompt can give other tokens in another batch (greedy
+    included), so say so when any pool computes in one (float32 reproduces them)."""
+    from dlbatch.engine.device import compute_dtype
+
+    dtypes = sorted({compute_dtype(p.worker.engine.dtype, p.device.split(":")[0], allow_upcast=True)
+                     for p in config.pools.values()} - {"float32"})
+    if dtypes:
+        log.warning("resuming: %d documents were committed by an earlier run; this run computes in %s, where a "
+                    "prompt batched differently can give other tokens (greedy included), so the rows it adds may "
+                    "differ from an uninterrupted run's; model.dtype float32 reproduces them (docs/reliability.md)",
+                    n_done, "/".join(dtypes))
 
 
 class _Finish:

@@ -12,11 +12,35 @@ def chip_resource(chip: str) -> str:
     return f"chip:{chip}"
 
 
+def verbose() -> bool:
+    """The run logs at debug level (`dlbatch -v`): Ray's own messages are shown too."""
+    return logging.getLogger("dlbatch").isEnabledFor(logging.DEBUG)
+
+
+def quiet_ray() -> int:
+    """Ray's own log lines, unless the run is verbose: its warnings and notices (token
+    authentication on a local cluster, deprecations, Ray Data's execution plans and its
+    per-dataset progress blocks) are not the job's news; our progress line says how far the
+    job is. Errors still show, and Ray Data's full log stays in its session folder
+    (``ray-data.log``). -> the logging level Ray is started with."""
+    level = logging.INFO if verbose() else logging.ERROR
+    logging.getLogger("ray").setLevel(level)
+    try:  # Ray Data configures its own console handler (INFO) again for every dataset it runs
+        from ray.data._internal import logging as data_logging
+
+        data_logging.DEFAULT_CONFIG["handlers"]["console"]["level"] = logging.getLevelName(level)
+        data_logging.configure_logging()
+    except Exception:  # a Ray whose Data logging is laid out otherwise: its default output stays
+        pass
+    return level
+
+
 def start_ray(address: str | None, chips: dict[str, int], num_cpus: int | None = None,
               runtime_env: dict | None = None) -> bool:
     """Returns True when a local cluster was started (and must be shut down by us)."""
     import ray
 
+    level = quiet_ray()
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -30,11 +54,11 @@ def start_ray(address: str | None, chips: dict[str, int], num_cpus: int | None =
         ncpu = num_cpus or max(8, 4 * cores)
         resources = {chip_resource(c): float(n) for c, n in chips.items()}
         ray.init(address="local", num_cpus=ncpu, resources=resources, include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=logging.WARNING,
+                 _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=level,
                  runtime_env=runtime_env, configure_logging=True)
         log.info("started local Ray on 127.0.0.1 with %d logical CPUs and %s", ncpu, resources)
         return True
-    ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
+    ray.init(address=address, runtime_env=runtime_env, logging_level=level)
     log.info("attached to Ray cluster at %s", address)
     return False
 
