@@ -55,6 +55,9 @@ def add_arguments(p) -> None:
                    help="--backend vllm: python of a virtualenv with ray[data] and vllm (Ray Data LLM)")
     p.add_argument("--repeats", type=int, default=1, help="--backend vllm: runs per side (medians printed)")
     p.add_argument("--peer-timeout", type=int, default=1800, help="--backend vllm: seconds the peer may take")
+    from dlbatch.bench.workloads import add_arguments as add_workload_arguments
+
+    add_workload_arguments(p)
     p.add_argument("--long", action="store_true",
                    help="the sample papers longer than the context: long_inputs chunk vs truncate (wall time, "
                         "tokens computed, share of each paper reaching the model); --docs papers, --max-model-len")
@@ -223,6 +226,10 @@ def agreement_fp32(spec, docs: list[dict], n_docs: int, max_tokens: int, chars: 
 def run(args) -> int:
     from dlbatch.bench import limits
 
+    if args.workload:
+        from dlbatch.bench.workloads import run_workload
+
+        return run_workload(args)
     if args.long:
         from dlbatch.bench.long_inputs import run_long
 
