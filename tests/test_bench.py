@@ -148,6 +148,21 @@ def test_pipeline_bench_smoke(tmp_path, sample_model):
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_pipeline_shared_prefix_workload_smoke(tmp_path, sample_model):
+    """--workload shared-prefix --quick: every row answered on both layouts of our engine; the
+    prefill tokens computed are counted against the ideal, the peer column is skipped, saying why."""
+    r = _bench("pipeline", ["--workload", "shared-prefix", "--quick", "--set", "model.dtype=float32"], tmp_path)
+    assert r["rows"] == 12 and r["ideal_prefill_tokens"] > 0
+    for k in ("ours", "ours_pd"):
+        s = r["sides"][k]
+        assert s["wall_s"] > 0 and s["prompt_tokens"] >= r["ideal_prefill_tokens"], s
+        assert s["prompt_tokens"] - s["cached_tokens"] >= r["ideal_prefill_tokens"] * 0.9  # nothing computed twice is free
+    assert "skipped" in r["sides"]["peer"] and "skipped" in r["sides"]["ours_vllm"]
+    _check_limits(r["limits"], ["float32"])
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_pipeline_long_bench_smoke(tmp_path, sample_model):
     """chunk vs truncate on the shortest long sample paper: chunk reaches all of it."""
     r = _bench("pipeline", ["--long", "--quick", "--set", "model.dtype=float32"], tmp_path)

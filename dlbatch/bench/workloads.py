@@ -85,7 +85,7 @@ def _report_figures(side: dict, out: str) -> dict:
         return side
     with open(os.path.join(out, "_report.json")) as f:
         rep = json.load(f)
-    gen = (rep.get("startup") or {}).get("intervals_s", {}).get("generation")
+    gen = (rep.get("startup") or {}).get("phases_s", {}).get("generation")
     side.update(generation_s=gen, prompt_tokens=rep.get("prompt_tokens"),
                 cached_tokens=rep.get("prefix_cache_hit_tokens", 0), layout=rep.get("layout"))
     return side
@@ -99,7 +99,7 @@ def run_workload(args) -> int:
     from dlbatch.jobspec import load_job
 
     tmp = tempfile.mkdtemp(prefix="dlbatch-bench-workload-")
-    spec = load_job(args.job)
+    spec = load_job(args.job, list(args.overrides))
     dtype = args.dtype or spec.model.dtype
     shared = args.workload == "shared-prefix"
     if shared:
@@ -217,7 +217,7 @@ def render(result: dict) -> str:
         computed = x.get("prompt_tokens", 0) - x.get("cached_tokens", 0) if "prompt_tokens" in x else None
         rows.append([name, f"{x['wall_s']:.1f}", "" if x.get("generation_s") is None else f"{x['generation_s']:.1f}",
                      "" if computed is None else f"{computed} ({computed / ideal:.2f}x ideal)",
-                     "" if k == "peer" else f"{ratio(s['peer'].get('wall_s'), x['wall_s']) or 0:.2f}x",
+                     "" if k == "peer" or "wall_s" not in s["peer"] else f"{ratio(s['peer']['wall_s'], x['wall_s']):.2f}x",
                      str((x.get("layout") or {}).get("chosen", "")) if isinstance(x.get("layout"), dict) else ""])
     lim = result["limits"]
     mm = ", ".join(f"{d} {v['flops'] / 1e9:.1f} GFLOP/s" for d, v in lim["matmul"].items())
