@@ -40,7 +40,7 @@ from typing import Iterator
 from .io_retry import call_with_retry
 from .records import DuplicateIds
 from .repair import repair_id, unescape_name
-from .secrets import resolve_options
+from .secrets import masked, resolve_options
 
 FORMAT_EXTENSIONS: dict[str, tuple[str, ...]] = {
     "pdf": (".pdf",),
@@ -68,7 +68,8 @@ def _url_to_fs(path: str, storage_options: dict | None):
     An escaped undecodable byte (``\\udcXX``) is the byte again in the path (module docstring)."""
     import fsspec
 
-    fs, p = fsspec.core.url_to_fs(path, **resolve_options(storage_options))
+    with masked():
+        fs, p = fsspec.core.url_to_fs(path, **resolve_options(storage_options))
     return fs, _spelled(fs, p)
 
 

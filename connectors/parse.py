@@ -56,6 +56,7 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
     from .isolate import ParserUnavailable
     from .listing import read_document_file
     from .records import error_row
+    from .secrets import redact
 
     url = row["url"]
     try:
@@ -71,7 +72,7 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
     except (FileNotFoundError, PermissionError, ParserUnavailable):
         raise
     except Exception as e:  # a file the reader cannot handle becomes a dead letter
-        out = [error_row(source=url, error_type=type(e).__name__, error=f"{type(e).__name__}: {e}"[:500])]
+        out = [error_row(source=url, error_type=type(e).__name__, error=redact(f"{type(e).__name__}: {e}")[:500])]
     return [_row(d) for d in out]
 
 

@@ -36,9 +36,10 @@ def _fs_for(path: str, fs, storage_options: dict | None = None):
         return fs
     import fsspec
 
-    from .secrets import resolve_options
+    from .secrets import masked, resolve_options
 
-    fs, _ = fsspec.core.url_to_fs(path, **resolve_options(storage_options))
+    with masked():
+        fs, _ = fsspec.core.url_to_fs(path, **resolve_options(storage_options))
     return fs
 
 
