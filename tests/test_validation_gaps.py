@@ -76,6 +76,15 @@ def test_output_folder_inside_the_input_folder(here, inp, out):
     assert msg.split(": ")[1] == "output.path" and str(here / out).rstrip("/") in msg and "inside input.path" in msg
 
 
+@pytest.mark.parametrize("inp,out", [("s3://bucket/in", "S3://bucket/in/out"), ("s3://bucket/in", "s3a://bucket/in/out"),
+                                     ("s3a://bucket/in/", "s3://bucket//in//out"), ("s3://bucket//in", "s3://bucket/in"),
+                                     ("memory://bucket/in", "MEMORY://bucket///in/out"), ("gcs://b/in", "gs://b/in/x")])
+def test_output_url_inside_the_input_url_whatever_its_spelling(inp, out):
+    msg = refused(f"input.path={inp}", f"output.path={out}")
+    assert "output.path" in msg and "inside input.path" in msg
+    load_job(REPO / "jobs/papers_jsonl.yaml", [f"input.path={inp}", f"output.path={out.replace('in', 'elsewhere')}"])
+
+
 def test_output_beside_the_input_or_input_a_single_file_loads(here):
     (here / "in" / "a.jsonl").write_text("")
     load_job(REPO / "jobs/papers_jsonl.yaml", [f"input.path={here / 'in'}", f"output.path={here / 'out'}"])
