@@ -4,7 +4,9 @@
 URL (``s3://``, ``gs://``, ``memory://``, ``file://``) and returns a sorted, de-duplicated list
 of file URLs (plain absolute paths for the local filesystem, ``proto://...`` otherwise).
 Files and folders whose name starts with ``_`` or ``.`` (``_tmp/``, ``_SUCCESS``,
-``.ipynb_checkpoints``) are skipped when walking a directory.
+``.ipynb_checkpoints``) are skipped when walking a directory, and so is a local file that
+resolves outside the listed folder (a symbolic link to elsewhere, or a file under a linked
+folder), with a warning naming it and its target. A file named explicitly is read as named.
 
 ``read_document_file(url, format, ...)`` yields the rows of one listed input.
 
@@ -33,14 +35,18 @@ read (JSONL: lines counted, not parsed; Parquet: the footer's row count).
 
 from __future__ import annotations
 
+import logging
 import re
 from itertools import islice
 from typing import Iterator
 
 from .io_retry import call_with_retry
-from .records import DuplicateIds
+from .records import MAX_TEXT_CHARS, DuplicateIds, cut_text
 from .repair import repair_id, unescape_name
 from .secrets import masked, resolve_options
+from .text_sources import MAX_LINE_BYTES
+
+log = logging.getLogger(__name__)
 
 FORMAT_EXTENSIONS: dict[str, tuple[str, ...]] = {
     "pdf": (".pdf",),
@@ -105,11 +111,14 @@ def _matches(p: str, exts: tuple[str, ...]) -> bool:
     return p.lower().endswith(exts)
 
 
-def list_inputs(path: str, format: str, storage_options: dict | None = None) -> list[str]:
+def list_inputs(path: str, format: str, storage_options: dict | None = None, *,
+                max_line_bytes: int | None = MAX_LINE_BYTES) -> list[str]:
     """Sorted input file URLs for ``format`` under ``path`` (dir, glob, file or URL).
 
     Raises FileNotFoundError naming ``path`` when it does not exist or nothing matches,
-    ValueError for an unknown format.
+    ValueError for an unknown format. OpenAI batch request files are checked as the Batch
+    API checks an upload: a custom_id on two lines of them raises
+    `connectors.openai_batch.DuplicateCustomId` naming both lines.
     """
     exts = _check_format(format)
     if not isinstance(path, str) or not path.strip():
@@ -135,8 +144,9 @@ def list_inputs(path: str, format: str, storage_options: dict | None = None) -> 
                 files.append(m)
         if not matched:
             raise FileNotFoundError(f"no files match the glob {path!r}")
+        files = _within(fs, root[:_GLOB_CHARS.search(root).start()].rsplit("/", 1)[0] or "/", files)
     elif call_with_retry(fs.isdir, root, op=f"isdir {path}"):
-        files = _walk(fs, root, exts, format)
+        files = _within(fs, root, _walk(fs, root, exts, format))
     elif call_with_retry(fs.exists, root, op=f"exists {path}"):
         files = [root]  # a file named explicitly is taken whatever its extension
     else:
@@ -147,7 +157,34 @@ def list_inputs(path: str, format: str, storage_options: dict | None = None) -> 
         raise FileNotFoundError(f"no {format} inputs ({', '.join(exts)}"
                                 f"{' or a saved dataset directory' if format == 'hf' else ''}) "
                                 f"found under {path!r}")
+    if format == "openai_batch":
+        from .openai_batch import check_custom_ids
+
+        check_custom_ids(((u, *_url_to_fs(u, storage_options)) for u in urls), max_line_bytes)
     return urls
+
+
+def _within(fs, folder: str, files: list[str]) -> list[str]:
+    """``files`` less those that resolve outside ``folder`` (a symbolic link, or a file under a
+    linked folder, pointing elsewhere), each skipped with a warning naming it and its target:
+    a drop folder must not leak what a link points at into the output. Local files only
+    (object stores have no links)."""
+    import os
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(fs, LocalFileSystem):
+        return files
+    base = os.path.realpath(folder)
+    kept = []
+    for f in files:
+        real = os.path.realpath(f)
+        if real == base or real.startswith(base.rstrip(os.sep) + os.sep):
+            kept.append(f)
+        else:
+            log.warning("input %s resolves to %s, outside the input folder %s (a symbolic link): skipped",
+                        repair_id(f), repair_id(real), repair_id(base))
+    return kept
 
 
 def _walk(fs, root: str, exts: tuple[str, ...], format: str) -> list[str]:
@@ -169,7 +206,9 @@ def _walk(fs, root: str, exts: tuple[str, ...], format: str) -> list[str]:
 def read_document_file(url: str, format: str, text_field: str = "text", id_field: str | None = None,
                        storage_options: dict | None = None, *, max_pages: int | None = None,
                        errors: str = "strict", title_field: str | None = "title",
-                       split: str | None = None, max_rows: int | None = None) -> Iterator[dict]:
+                       split: str | None = None, max_rows: int | None = None,
+                       max_line_bytes: int | None = MAX_LINE_BYTES,
+                       max_text_chars: int | None = MAX_TEXT_CHARS) -> Iterator[dict]:
     """Rows of one input (a URL returned by :func:`list_inputs`).
 
     pdf -> one row (connectors.pdf.extract_pdf; ``max_pages`` caps pages read);
@@ -180,9 +219,16 @@ def read_document_file(url: str, format: str, text_field: str = "text", id_field
     With ``id_field``, a row whose id an earlier row of the file has becomes a
     ``DuplicateId`` error row naming both sources (`connectors.records.DuplicateIds`);
     openai_batch -> one row per request line, its id the line's ``custom_id`` (checked the same way).
+    Bounds: a JSONL or request line over ``max_line_bytes`` is a ``LineTooLong`` error row, read
+    past without being held; a document's text over ``max_text_chars`` is cut to it
+    (`connectors.records.cut_text`: the row's ``text_truncated_chars`` says how much went; its
+    id is that of the whole text).
     """
     rows = _read_rows(url, format, text_field, id_field, storage_options, max_pages=max_pages, errors=errors,
-                      title_field=title_field, split=split)
+                      title_field=title_field, split=split, max_line_bytes=max_line_bytes,
+                      max_text_chars=max_text_chars)
+    if max_text_chars is not None:
+        rows = (cut_text(r, max_text_chars) for r in rows)
     if format == "openai_batch":
         id_field = "custom_id"
     if id_field:
@@ -191,7 +237,8 @@ def read_document_file(url: str, format: str, text_field: str = "text", id_field
 
 
 def _read_rows(url: str, format: str, text_field: str, id_field: str | None, storage_options: dict | None, *,
-               max_pages: int | None, errors: str, title_field: str | None, split: str | None) -> Iterator[dict]:
+               max_pages: int | None, errors: str, title_field: str | None, split: str | None,
+               max_line_bytes: int | None, max_text_chars: int | None) -> Iterator[dict]:
     _check_format(format)
     storage_options = resolve_options(storage_options)  # once, for the readers given the options too
     from .hf_hub import is_hub_url
@@ -208,15 +255,15 @@ def _read_rows(url: str, format: str, text_field: str, id_field: str | None, sto
         from .pdf import extract_pdf
 
         data = call_with_retry(fs.cat_file, fspath, op=f"read {url}")
-        yield extract_pdf(data, url, max_pages=max_pages)
+        yield extract_pdf(data, url, max_pages=max_pages, max_text_chars=max_text_chars)
     elif format == "jsonl":
         from .text_sources import read_jsonl
 
-        yield from read_jsonl(url, text_field, id_field, fs=fs, title_field=title_field)
+        yield from read_jsonl(url, text_field, id_field, fs=fs, title_field=title_field, max_line_bytes=max_line_bytes)
     elif format == "openai_batch":
         from .openai_batch import read_openai_batch
 
-        yield from read_openai_batch(url, fs)
+        yield from read_openai_batch(url, fs, max_line_bytes)
     elif format == "parquet":
         from .text_sources import read_parquet
 
@@ -296,14 +343,13 @@ def count_rows(url: str, format: str, stop: int, storage_options: dict | None = 
     fs, fspath = _url_to_fs(url, storage_options)
     n = 0
     try:
-        if format in ("jsonl", "openai_batch"):
-            from .text_sources import _compression_for, _open
+        if format in ("jsonl", "openai_batch"):  # each non-blank line is a row, one over the cap too
+            from .text_sources import jsonl_lines
 
-            with _open(fs, fspath, _compression_for(url)) as f:
-                for line in f:
-                    n += bool(line.strip())
-                    if n >= stop:
-                        break
+            for _ in jsonl_lines(fs, fspath, read_kwargs.get("max_line_bytes", MAX_LINE_BYTES)):
+                n += 1
+                if n >= stop:
+                    break
             return n
         if format == "parquet":
             import pyarrow.parquet as pq

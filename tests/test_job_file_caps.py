@@ -8,7 +8,7 @@ import yaml
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 JOB = REPO / "jobs" / "papers.yaml"
-CAPS = ("max_pages", "max_file_bytes", "parse_timeout_s", "parse_memory_mb")
+CAPS = ("max_pages", "max_file_bytes", "parse_timeout_s", "parse_memory_mb", "max_line_bytes", "max_text_chars")
 
 
 def test_papers_job_shows_every_parse_cap_at_its_default():

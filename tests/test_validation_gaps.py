@@ -161,15 +161,17 @@ def test_template_bombs_stay_within_a_memory_bound():
     import subprocess
     import sys
 
-    script = ("import json, resource, sys\n"
+    script = ("import json, sys\n"
               "from dlbatch.prompts.templates import TemplateError, check_template\n"
+              "from tests.helpers.bounded_inputs import _reset_peak, _status_mb\n"
+              "_reset_peak()  # ru_maxrss would count the RSS of the pytest process this one was forked from\n"
               "refused = 0\n"
               "for prompt in json.loads(sys.stdin.read()):\n"
               "    try:\n"
               "        check_template('t', prompt)\n"
               "    except TemplateError:\n"
               "        refused += 1\n"
-              "print(json.dumps([refused, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024]))\n")
+              "print(json.dumps([refused, _status_mb('VmHWM')]))\n")
     proc = subprocess.run([sys.executable, "-c", script], input=json.dumps([b for b, _ in BOMBS]), cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
