@@ -11,7 +11,9 @@ the parse stage does (`connectors.parse.parse_file`, the job's caps), after a wa
 small file of the same format (imports, the parser process), and prints one JSON line:
 the rows (source, error_type, text length, text_truncated_chars), ``grew_mb`` (this
 process's peak resident memory, VmHWM reset before the parse, past what it held before it)
-and ``child_peak_mb`` (the largest resident memory a child process, the PDF parser, reached).
+and ``child_peak_mb`` (the largest resident memory a child process, the PDF parser, reached;
+it may count what this process held when it started the child), with ``rss_before_mb`` and
+``peak_mb`` behind ``grew_mb``.
 """
 from __future__ import annotations
 
