@@ -45,6 +45,7 @@ import time
 from collections.abc import Mapping
 
 from jinja2 import nodes, pass_context
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace, generate_lorem_ipsum
 from jinja2.visitor import NodeTransformer
@@ -439,8 +440,6 @@ class Sandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
-        from jinja2.runtime import LoopContext
-
         _check_arguments(args, kwargs)
         method = getattr(__obj, "__name__", "")
         receiver = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
