@@ -175,22 +175,26 @@ def resolve_options(options: Any, what: str = "storage_options") -> dict:
 # ------------------------------------------------------------------ masking resolved values
 
 _RESOLVED: dict[str, str] = {}  # a resolved value -> its reference, "${env:NAME}"
+_MASKS: tuple[tuple[str, str], ...] = ()  # the same pairs, longest value first (replaced whole, read lock-free)
 _LOCK = threading.Lock()
 
 
 def _remember(value: str, name: str) -> None:
+    global _MASKS
     if len(value) >= MASK_MIN_CHARS and value not in _RESOLVED:
         with _LOCK:
             _RESOLVED[value] = f"${{env:{name}}}"
+            _MASKS = tuple(sorted(_RESOLVED.items(), key=lambda kv: len(kv[0]), reverse=True))
 
 
 def redact(text: str) -> str:
     """``text`` with every value resolved in this process written as its reference (longest first)."""
-    if not _RESOLVED or not isinstance(text, str):
+    masks = _MASKS
+    if not masks or not isinstance(text, str):
         return text
-    for value in sorted(_RESOLVED, key=len, reverse=True):
+    for value, reference in masks:
         if value in text:
-            text = text.replace(value, _RESOLVED[value])
+            text = text.replace(value, reference)
     return text
 
 
@@ -208,7 +212,7 @@ def redact_exception(exc: BaseException) -> BaseException:
     """Mask resolved values in ``exc`` in place (its arguments, an OSError's strerror and file
     names, a botocore error's keyword arguments, its notes) and in the exceptions it chains to."""
     first, seen = exc, set()
-    while exc is not None and id(exc) not in seen and _RESOLVED:
+    while exc is not None and id(exc) not in seen and _MASKS:
         seen.add(id(exc))
         try:
             exc.args = tuple(_redact_value(a) for a in exc.args)
