@@ -35,6 +35,8 @@ class ReadOptions:
     errors: str = "strict"  # how a text file's undecodable bytes are treated
     split: Optional[str] = None  # a saved DatasetDict's split
     storage_options: Optional[dict] = None  # resolved (`connectors.secrets.resolve_options`)
+    max_line_bytes: Optional[int] = None  # a longer JSONL/request line is a LineTooLong row (input.max_line_bytes)
+    max_text_chars: Optional[int] = None  # a PDF's text cut in its parser (input.max_text_chars)
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,13 @@ def _read_pdf(url: str, fs, path: str, o: ReadOptions) -> Iterator[dict]:
     from .pdf import extract_pdf
 
     data = call_with_retry(fs.cat_file, path, op=f"read {url}")
-    yield extract_pdf(data, url, max_pages=o.max_pages)
+    yield extract_pdf(data, url, max_pages=o.max_pages, max_text_chars=o.max_text_chars)
 
 
 def _read_jsonl(url: str, fs, path: str, o: ReadOptions) -> Iterator[dict]:
     from .text_sources import read_jsonl
 
-    return read_jsonl(url, o.text_field, o.id_field, fs=fs, title_field=o.title_field)
+    return read_jsonl(url, o.text_field, o.id_field, fs=fs, title_field=o.title_field, max_line_bytes=o.max_line_bytes)
 
 
 def _read_parquet(url: str, fs, path: str, o: ReadOptions) -> Iterator[dict]:
@@ -84,7 +86,7 @@ def _read_hf(url: str, fs, path: str, o: ReadOptions) -> Iterator[dict]:
 def _read_openai_batch(url: str, fs, path: str, o: ReadOptions) -> Iterator[dict]:
     from .openai_batch import read_openai_batch
 
-    return read_openai_batch(url, fs)
+    return read_openai_batch(url, fs, o.max_line_bytes)
 
 
 def _read_dataset(url: str, fs, path: str, o: ReadOptions) -> Iterator[dict]:
@@ -97,13 +99,12 @@ def _one(url: str, fs, path: str) -> Iterator[int]:
 
 
 def _lines(url: str, fs, path: str) -> Iterator[int]:
-    """One per non-blank line: each is one row, good or an error row."""
-    from .text_sources import _compression_for, _open
+    """One per non-blank line: each is one row, good or an error row (a line over any cap is
+    one row too, counted without holding its bytes)."""
+    from .text_sources import jsonl_lines
 
-    with _open(fs, path, _compression_for(url)) as f:
-        for line in f:
-            if line.strip():
-                yield 1
+    for _ in jsonl_lines(fs, path):
+        yield 1
 
 
 def _footer(url: str, fs, path: str) -> Iterator[int]:

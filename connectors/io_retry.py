@@ -8,6 +8,8 @@ Permanent (raised at once, with a note saying so):
   FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
   FileExistsError, OSError with EINVAL/ENOENT/EACCES/..., ClientError with a 4xx status,
   and every non-I/O exception (ValueError, TypeError, ...).
+Every error re-raised (and every retry logged) has the credentials resolved in this process
+masked (`connectors.secrets.redact_exception`): a filesystem may echo its options.
 
 Usage::
 
@@ -31,6 +33,8 @@ import threading
 from typing import Any, Callable, TypeVar
 
 import tenacity
+
+from .secrets import redact, redact_exception
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +209,7 @@ def call_with_retry(fn: Callable[..., T], *args: Any, op: str | None = None,
         wait = state.next_action.sleep if state.next_action else 0.0
         log.warning("transient I/O error in %s (attempt %d/%d), retrying in %.2fs: %s: %s",
                     what, state.attempt_number, pol.max_attempts, wait,
-                    type(exc).__name__, exc)
+                    type(exc).__name__, redact(str(exc)))
 
     retrying = tenacity.Retrying(
         stop=tenacity.stop_after_attempt(pol.max_attempts),
@@ -217,6 +221,7 @@ def call_with_retry(fn: Callable[..., T], *args: Any, op: str | None = None,
     try:
         return retrying(fn, *args, **kwargs)
     except Exception as exc:  # annotate, keep the type so callers can still catch it
+        redact_exception(exc)  # a filesystem opened with resolved credentials may echo them
         if is_transient(exc):
             _add_note(exc, f"dlbatch io_retry: {what} still failing after "
                            f"{pol.max_attempts} attempts; giving up")

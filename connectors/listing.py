@@ -4,7 +4,9 @@
 URL (``s3://``, ``gs://``, ``memory://``, ``file://``) and returns a sorted, de-duplicated list
 of file URLs (plain absolute paths for the local filesystem, ``proto://...`` otherwise).
 Files and folders whose name starts with ``_`` or ``.`` (``_tmp/``, ``_SUCCESS``,
-``.ipynb_checkpoints``) are skipped when walking a directory.
+``.ipynb_checkpoints``) are skipped when walking a directory, and so is a local file that
+resolves outside the listed folder (a symbolic link to elsewhere, or a file under a linked
+folder), with a warning naming it and its target. A file named explicitly is read as named.
 
 ``read_document_file(url, format, ...)`` yields the rows of one listed input. What a format
 holds, its file names, its reader and its row counter are its row of the input-format table
@@ -35,15 +37,19 @@ read (JSONL: lines counted, not parsed; Parquet: the footer's row count).
 
 from __future__ import annotations
 
+import logging
 import re
 from itertools import islice
 from typing import Iterator
 
 from .formats import FORMATS, ReadOptions, input_format
 from .io_retry import call_with_retry
-from .records import DuplicateIds
+from .records import MAX_TEXT_CHARS, DuplicateIds, cut_text
 from .repair import repair_id, unescape_name
-from .secrets import resolve_options
+from .secrets import masked, resolve_options
+from .text_sources import MAX_LINE_BYTES
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FORMATS", "count_rows", "inputs_fingerprint", "limited_reads", "list_inputs", "read_document_file"]
 
@@ -56,7 +62,8 @@ def _url_to_fs(path: str, storage_options: dict | None):
     An escaped undecodable byte (``\\udcXX``) is the byte again in the path (module docstring)."""
     import fsspec
 
-    fs, p = fsspec.core.url_to_fs(path, **resolve_options(storage_options))
+    with masked():
+        fs, p = fsspec.core.url_to_fs(path, **resolve_options(storage_options))
     return fs, _spelled(fs, p)
 
 
@@ -92,11 +99,14 @@ def _matches(p: str, exts: tuple[str, ...]) -> bool:
     return p.lower().endswith(exts)
 
 
-def list_inputs(path: str, format: str, storage_options: dict | None = None) -> list[str]:
+def list_inputs(path: str, format: str, storage_options: dict | None = None, *,
+                max_line_bytes: int | None = MAX_LINE_BYTES) -> list[str]:
     """Sorted input file URLs for ``format`` under ``path`` (dir, glob, file or URL).
 
     Raises FileNotFoundError naming ``path`` when it does not exist or nothing matches,
-    ValueError for an unknown format.
+    ValueError for an unknown format. OpenAI batch request files are checked as the Batch
+    API checks an upload: a custom_id on two lines of them raises
+    `connectors.openai_batch.DuplicateCustomId` naming both lines.
     """
     exts = input_format(format).extensions
     if not isinstance(path, str) or not path.strip():
@@ -122,8 +132,9 @@ def list_inputs(path: str, format: str, storage_options: dict | None = None) -> 
                 files.append(m)
         if not matched:
             raise FileNotFoundError(f"no files match the glob {path!r}")
+        files = _within(fs, root[:_GLOB_CHARS.search(root).start()].rsplit("/", 1)[0] or "/", files)
     elif call_with_retry(fs.isdir, root, op=f"isdir {path}"):
-        files = _walk(fs, root, exts, format)
+        files = _within(fs, root, _walk(fs, root, exts, format))
     elif call_with_retry(fs.exists, root, op=f"exists {path}"):
         files = [root]  # a file named explicitly is taken whatever its extension
     else:
@@ -134,7 +145,34 @@ def list_inputs(path: str, format: str, storage_options: dict | None = None) -> 
         raise FileNotFoundError(f"no {format} inputs ({', '.join(exts)}"
                                 f"{' or a saved dataset directory' if format == 'hf' else ''}) "
                                 f"found under {path!r}")
+    if format == "openai_batch":
+        from .openai_batch import check_custom_ids
+
+        check_custom_ids(((u, *_url_to_fs(u, storage_options)) for u in urls), max_line_bytes)
     return urls
+
+
+def _within(fs, folder: str, files: list[str]) -> list[str]:
+    """``files`` less those that resolve outside ``folder`` (a symbolic link, or a file under a
+    linked folder, pointing elsewhere), each skipped with a warning naming it and its target:
+    a drop folder must not leak what a link points at into the output. Local files only
+    (object stores have no links)."""
+    import os
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(fs, LocalFileSystem):
+        return files
+    base = os.path.realpath(folder)
+    kept = []
+    for f in files:
+        real = os.path.realpath(f)
+        if real == base or real.startswith(base.rstrip(os.sep) + os.sep):
+            kept.append(f)
+        else:
+            log.warning("input %s resolves to %s, outside the input folder %s (a symbolic link): skipped",
+                        repair_id(f), repair_id(real), repair_id(base))
+    return kept
 
 
 def _walk(fs, root: str, exts: tuple[str, ...], format: str) -> list[str]:
@@ -156,7 +194,9 @@ def _walk(fs, root: str, exts: tuple[str, ...], format: str) -> list[str]:
 def read_document_file(url: str, format: str, text_field: str = "text", id_field: str | None = None,
                        storage_options: dict | None = None, *, max_pages: int | None = None,
                        errors: str = "strict", title_field: str | None = "title",
-                       split: str | None = None, max_rows: int | None = None) -> Iterator[dict]:
+                       split: str | None = None, max_rows: int | None = None,
+                       max_line_bytes: int | None = MAX_LINE_BYTES,
+                       max_text_chars: int | None = MAX_TEXT_CHARS) -> Iterator[dict]:
     """Rows of one input (a URL returned by :func:`list_inputs`).
 
     pdf -> one row (connectors.pdf.extract_pdf; ``max_pages`` caps pages read);
@@ -167,11 +207,18 @@ def read_document_file(url: str, format: str, text_field: str = "text", id_field
     With ``id_field``, a row whose id an earlier row of the file has becomes a
     ``DuplicateId`` error row naming both sources (`connectors.records.DuplicateIds`);
     openai_batch -> one row per request line, its id the line's ``custom_id`` (checked the same way).
+    Bounds: a JSONL or request line over ``max_line_bytes`` is a ``LineTooLong`` error row, read
+    past without being held; a document's text over ``max_text_chars`` is cut to it
+    (`connectors.records.cut_text`: the row's ``text_truncated_chars`` says how much went; its
+    id is that of the whole text).
     """
     fmt = input_format(format)
     options = ReadOptions(text_field=text_field, id_field=id_field, title_field=title_field, max_pages=max_pages,
-                          errors=errors, split=split, storage_options=resolve_options(storage_options))
+                          errors=errors, split=split, storage_options=resolve_options(storage_options),
+                          max_line_bytes=max_line_bytes, max_text_chars=max_text_chars)
     rows = _read_rows(url, fmt, options)
+    if max_text_chars is not None:
+        rows = (cut_text(r, max_text_chars) for r in rows)
     id_field = fmt.id_field or id_field
     if id_field:
         rows = DuplicateIds(id_field).check(rows)

@@ -10,9 +10,13 @@ Invariants:
 * one row per non-blank line, good or error, in line order; ``source`` is ``<path>#line<N>``
   (1-based) as `connectors.text_sources.read_jsonl` names it;
 * ``doc_id`` is the line's ``custom_id`` whenever the line has a non-empty string one (good
-  rows always do): `connectors.listing.read_document_file` then turns a repeated id into a
-  ``DuplicateId`` dead letter (`connectors.records.DuplicateIds`); a line without one is an
-  error row whose id is the hash of its bytes;
+  rows always do); a line without one is an error row whose id is the hash of its bytes;
+* custom_ids are unique across the job's request files: listing refuses files where one
+  repeats (`check_custom_ids`, `DuplicateCustomId` naming both lines), as the Batch API
+  refuses such a file at upload, so no result line and error line ever share an ``id``. (A
+  file changed after listing still cannot run one twice: `connectors.listing.read_document_file`
+  turns a repeated id into a ``DuplicateId`` dead letter, `connectors.records.DuplicateIds`);
+* a line over ``input.max_line_bytes`` is never held: it is a ``LineTooLong`` error row;
 * a good row's ``columns`` (`connectors.columns.pack`) hold exactly ``custom_id``, ``url``
   and ``body`` (the body as JSON text), so the block types do not depend on the bodies;
   its ``text`` is the chat's message contents, one per line, or the completion prompt;
@@ -25,9 +29,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Iterator
 
 from .records import DECODE_ERROR, MALFORMED_JSON, MISSING_FIELD, error_row, ok_row
+from .text_sources import MAX_LINE_BYTES
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -60,12 +66,16 @@ class InvalidRequest(ValueError):
 # ------------------------------------------------------------------ reading
 
 
-def read_openai_batch(path: str, fs) -> Iterator[dict]:
+def read_openai_batch(path: str, fs, max_line_bytes: int | None = MAX_LINE_BYTES) -> Iterator[dict]:
     """One row per non-blank line of an OpenAI batch request file (see the module docstring)."""
     from .columns import pack
-    from .text_sources import jsonl_lines
+    from .text_sources import jsonl_lines, line_too_long
 
-    for number, raw, source in jsonl_lines(fs, path):
+    for line in jsonl_lines(fs, path, max_line_bytes):
+        if line.raw is None:
+            yield line_too_long(line, max_line_bytes)
+            continue
+        number, raw, source = line.number, line.raw, line.source
         row = _line_row(raw, source, number)
         if not row["error"]:
             rec = json.loads(raw)
@@ -122,27 +132,70 @@ def _body_text(url: str, body: dict) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
-def custom_ids(path: str, fs, lines: set[int]) -> dict[int, str]:
+def custom_ids(path: str, fs, lines: set[int], max_line_bytes: int | None = MAX_LINE_BYTES) -> dict[int, str]:
     """{line number: custom_id} of the given lines of a request file (lines without a string
-    custom_id left out): what the exporter names the dead letters of lines by."""
-    from .text_sources import _compression_for, _open
+    custom_id left out): what the exporter names the dead letters of lines by. A line over
+    ``max_line_bytes`` is not parsed: its custom_id is read when the line starts with it."""
+    from .text_sources import jsonl_lines
 
     out: dict[int, str] = {}
     if not lines:
         return out
     last = max(lines)
-    with _open(fs, path, _compression_for(path)) as f:
-        for number, raw in enumerate(f, start=1):
-            if number > last:
-                break
-            if number in lines:
-                try:
-                    cid = json.loads(raw).get("custom_id")
-                except (ValueError, AttributeError):
-                    continue
-                if isinstance(cid, str) and cid:
-                    out[number] = cid
+    for line in jsonl_lines(fs, path, max_line_bytes):
+        if line.number > last:
+            break
+        if line.number in lines:
+            cid = line_custom_id(line)
+            if cid is not None:
+                out[line.number] = cid
     return out
+
+
+_LEADING_CUSTOM_ID = re.compile(rb'^\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def line_custom_id(line) -> str | None:
+    """A request line's custom_id (a `connectors.text_sources.Line`): parsed from the line, or,
+    for a line over the cap, read from its first bytes when the line starts with it."""
+    try:
+        if line.raw is not None:
+            cid = json.loads(line.raw).get("custom_id")
+        else:
+            m = _LEADING_CUSTOM_ID.match(line.head)
+            cid = json.loads(m.group(1)) if m else None
+    except (ValueError, AttributeError):
+        return None
+    return cid if isinstance(cid, str) and cid else None
+
+
+class DuplicateCustomId(ValueError):
+    """Request files whose custom_ids repeat: the Batch API refuses such a file at upload."""
+
+
+def check_custom_ids(files, max_line_bytes: int | None = MAX_LINE_BYTES) -> None:
+    """Raise `DuplicateCustomId` naming the lines when a custom_id is on two lines of the job's
+    request files (``files``: ``(url, filesystem, path)`` of each; one file or two): each line
+    must have its own, as the Batch API requires within a batch, so that every result and
+    error line answers exactly one request."""
+    from .text_sources import jsonl_lines
+
+    first: dict[str, str] = {}
+    repeats: list[str] = []
+    for url, fs, path in files:
+        for line in jsonl_lines(fs, path, max_line_bytes):
+            cid = line_custom_id(line)
+            if cid is None:
+                continue
+            where = f"{url} line {line.number}"
+            if cid in first:
+                repeats.append(f"custom_id {_short(cid)} is on {first[cid]} and {where}")
+            else:
+                first[cid] = where
+    if repeats:
+        more = f" (and {len(repeats) - 3} more repeats)" if len(repeats) > 3 else ""
+        raise DuplicateCustomId("; ".join(repeats[:3]) + more + ": a batch's custom_ids must be unique (the Batch "
+                                "API refuses such a file at upload); give each request line its own")
 
 
 # ------------------------------------------------------------------ a body -> a request

@@ -10,6 +10,9 @@ and ``error_type`` that the prompt stage turns into a dead letter:
   (``ParseTimeout``) or past ``parse_memory_mb`` MiB of address space (``ParseMemoryExceeded``)
   costs that file only. A PDF or text file larger than ``max_file_bytes`` is not read
   (``FileTooLarge``, naming its size and the cap); ``max_pages`` caps the pages read of a PDF;
+* a JSONL or request line over ``max_line_bytes`` is a ``LineTooLong`` row, never held whole;
+  a document's text over ``max_text_chars`` is cut to it (a PDF's in its parser process), and
+  the row's ``text_truncated_chars`` says how many characters went (None: the whole text);
 * strings Arrow cannot encode (lone surrogates) are repaired (`connectors.repair`).
 
 Record files (JSONL, Parquet, datasets) are read in this process: their parsers are Python's
@@ -31,11 +34,14 @@ from __future__ import annotations
 import json
 import os
 
+from .records import MAX_TEXT_CHARS
 from .repair import repair_row, repair_text
+from .text_sources import MAX_LINE_BYTES
 
 STRUCTURE_KEYS = ("abstract", "sections", "references", "references_span")
 
 # the defaults of input.max_file_bytes, input.parse_timeout_s and input.parse_memory_mb
+# (input.max_line_bytes and input.max_text_chars: MAX_LINE_BYTES and MAX_TEXT_CHARS, imported here)
 MAX_FILE_BYTES = 256 << 20
 PARSE_TIMEOUT_S = 300.0
 PARSE_MEMORY_MB = 4096
@@ -50,11 +56,13 @@ FILE_TOO_LARGE = "FileTooLarge"
 
 def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, storage_options: dict | None,
                max_pages: int | None, *, max_file_bytes: int | None = MAX_FILE_BYTES,
-               parse_timeout_s: float = PARSE_TIMEOUT_S, parse_memory_mb: int | None = PARSE_MEMORY_MB) -> list[dict]:
+               parse_timeout_s: float = PARSE_TIMEOUT_S, parse_memory_mb: int | None = PARSE_MEMORY_MB,
+               max_line_bytes: int | None = MAX_LINE_BYTES, max_text_chars: int | None = MAX_TEXT_CHARS) -> list[dict]:
     """One input file (``row["url"]``) -> its documents, error rows for bad ones."""
     from .isolate import ParserUnavailable
     from .listing import read_document_file
     from .records import error_row
+    from .secrets import redact
 
     url = row["url"]
     try:
@@ -62,15 +70,17 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
         if too_large is not None:
             out = [too_large]
         elif fmt == "pdf":
-            out = [_parse_pdf(url, storage_options, max_pages, parse_timeout_s, parse_memory_mb, max_file_bytes)]
+            out = [_parse_pdf(url, storage_options, max_pages, parse_timeout_s, parse_memory_mb, max_file_bytes,
+                              max_text_chars)]
         else:
             first = {"max_rows": row["max_rows"]} if row.get("max_rows") is not None else {}  # input.limit's cut
             out = list(read_document_file(url, fmt, text_field=text_field, id_field=id_field,
-                                          storage_options=storage_options, max_pages=max_pages, **first))
+                                          storage_options=storage_options, max_pages=max_pages,
+                                          max_line_bytes=max_line_bytes, max_text_chars=max_text_chars, **first))
     except (FileNotFoundError, PermissionError, ParserUnavailable):
         raise
     except Exception as e:  # a file the reader cannot handle becomes a dead letter
-        out = [error_row(source=url, error_type=type(e).__name__, error=f"{type(e).__name__}: {e}"[:500])]
+        out = [error_row(source=url, error_type=type(e).__name__, error=redact(f"{type(e).__name__}: {e}")[:500])]
     return [document_row(d) for d in out]
 
 
@@ -83,7 +93,7 @@ def document_row(d: dict) -> dict:
     return repair_row({"doc_id": str(d["doc_id"]), "source": str(d["source"]), "text": d.get("text") or "",
                        "title": d.get("title"), "pages": d.get("pages"), "error": d.get("error"),
                        "error_type": d.get("error_type"), "structure": structure,
-                       "columns": d.get("columns")})
+                       "columns": d.get("columns"), "text_truncated_chars": d.get("text_truncated_chars")})
 
 
 def _too_large(url: str, fmt: str, storage_options: dict | None, max_file_bytes: int | None) -> dict | None:
@@ -106,7 +116,7 @@ def _too_large(url: str, fmt: str, storage_options: dict | None, max_file_bytes:
 
 
 def _parse_pdf(url: str, storage_options: dict | None, max_pages: int | None, timeout_s: float,
-               memory_mb: int | None, max_file_bytes: int | None) -> dict:
+               memory_mb: int | None, max_file_bytes: int | None, max_text_chars: int | None) -> dict:
     """Read the PDF here (I/O retries, credentials), extract it in a parser process."""
     from .io_retry import call_with_retry
     from .isolate import ParseFailed, run
@@ -119,7 +129,8 @@ def _parse_pdf(url: str, storage_options: dict | None, max_pages: int | None, ti
         return error_row(source=url, error_type=FILE_TOO_LARGE,
                          error=f"the file is {len(data)} bytes, over input.max_file_bytes={max_file_bytes}; not read")
     try:
-        return run(os.environ.get(TEST_PARSER_ENV) or PDF_EXTRACT, (data, url), {"max_pages": max_pages}, timeout_s=timeout_s, memory_mb=memory_mb,
-                   preload=PDF_PRELOAD)
+        return run(os.environ.get(TEST_PARSER_ENV) or PDF_EXTRACT, (data, url),
+                   {"max_pages": max_pages, "max_text_chars": max_text_chars}, timeout_s=timeout_s,
+                   memory_mb=memory_mb, preload=PDF_PRELOAD)
     except ParseFailed as e:
         return error_row(source=url, raw=data, error_type=e.error_type, error=f"{e.error_type}: {e.message}"[:500])

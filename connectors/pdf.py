@@ -34,7 +34,7 @@ import re
 import statistics
 
 from .sections import Para, structure
-from .records import (CORRUPT_PDF, EMPTY_DOCUMENT, ENCRYPTED_PDF, IMAGE_ONLY_PDF, error_row,
+from .records import (CORRUPT_PDF, EMPTY_DOCUMENT, ENCRYPTED_PDF, IMAGE_ONLY_PDF, cut_text, error_row,
                       ok_row)
 
 log = logging.getLogger(__name__)
@@ -352,8 +352,10 @@ def _metadata_title(meta: dict | None) -> str | None:
 # ------------------------------------------------------------------ entry point
 
 
-def extract_pdf(data: bytes, source: str, max_pages: int | None = None) -> dict:
-    """Extract one PDF into a row (see connectors/records.py). Never raises on bad data."""
+def extract_pdf(data: bytes, source: str, max_pages: int | None = None, max_text_chars: int | None = None) -> dict:
+    """Extract one PDF into a row (see connectors/records.py). Never raises on bad data.
+    A text over ``max_text_chars`` is cut here, in the parser process, with its structure
+    (`cut_document`), so the row that leaves it is bounded whatever the PDF expands to."""
     if max_pages is not None and (not isinstance(max_pages, int) or max_pages < 1):
         raise ValueError(f"max_pages must be a positive int or None, got {max_pages!r}")
     data = bytes(data)
@@ -374,7 +376,7 @@ def extract_pdf(data: bytes, source: str, max_pages: int | None = None) -> dict:
         return error_row(source=source, raw=data, error_type=CORRUPT_PDF,
                          error=f"cannot open PDF: {_short(exc)}")
     try:
-        return _extract_open(doc, data, source, max_pages, pymupdf)
+        return cut_document(_extract_open(doc, data, source, max_pages, pymupdf), max_text_chars)
     except Exception as exc:  # anything MuPDF throws mid-way on a damaged file
         _raise_if_out_of_memory(exc)
         log.warning("PDF extraction failed for %s: %s", source, exc)
@@ -384,14 +386,43 @@ def extract_pdf(data: bytes, source: str, max_pages: int | None = None) -> dict:
         doc.close()
 
 
+def cut_document(row: dict, max_chars: int | None) -> dict:
+    """`connectors.records.cut_text` for a PDF's row, its structure cut to the kept text: the
+    sections in order while their text fits (the last one cut), the abstract cut, the
+    references (and their span) only as far as the kept text reaches."""
+    text = row.get("text") or ""
+    if max_chars is None or len(text) <= max_chars:
+        return row
+    cut_text(row, max_chars)
+    left, sections = max_chars, []
+    for sec in row.get("sections") or []:
+        if left <= 0:
+            break
+        sections.append({**sec, "text": sec["text"][:left]})
+        left -= len(sec["text"])
+    row["sections"] = sections
+    row["abstract"] = (row.get("abstract") or "")[:max_chars]
+    span = row.get("references_span")
+    if span and span[0] < max_chars:
+        end = min(span[1], max_chars)
+        row["references"] = (row.get("references") or "")[:end - span[0]]
+        row["references_span"] = [span[0], end]
+    elif span:
+        row["references"], row["references_span"] = "", None
+    return row
+
+
+_ALLOCATION_FAILED = re.compile(r"\b(?:m|c|re)alloc\b.*\bfailed\b|out of memory|cannot allocate", re.IGNORECASE)
+
+
 def _raise_if_out_of_memory(exc: BaseException) -> None:
     """Memory exhaustion is not a damaged file: raise it as MemoryError (the parser process
     reports ParseMemoryExceeded) instead of a CorruptPDF row or a silently dropped page.
-    MuPDF reports a failed allocation as ``FzErrorSystem: ... malloc (N bytes) failed``."""
+    MuPDF reports a failed allocation as ``FzErrorSystem: ... malloc (N bytes) failed`` (or
+    ``calloc``, ``realloc``)."""
     if isinstance(exc, MemoryError):
         raise exc
-    text = str(exc)
-    if ("malloc" in text and "failed" in text) or "out of memory" in text.lower():
+    if _ALLOCATION_FAILED.search(str(exc)):
         raise MemoryError(_short(exc)) from exc
 
 

@@ -7,6 +7,12 @@ A row with ``error`` set has ``text == ""`` and is a dead-letter candidate.
 `record_to_row` turns one record of a JSONL, Parquet or datasets input into such a row; a
 good one also carries the record's other columns (``columns``, `connectors.columns`).
 
+A document's text is at most ``input.max_text_chars`` characters (`cut_text`, applied by
+every reader before the row leaves the parse stage, so nothing downstream tokenizes more):
+a longer one is cut to its first ``max_text_chars`` characters and the row's
+``text_truncated_chars`` holds how many were cut (absent or None: the text is whole). The
+doc_id is taken from the whole text before the cut, so it names the document, not the cap.
+
 Ids given by ``input.id_field`` must be unique: the first row with an id (in file order)
 is the document; every later row with that id becomes a ``DuplicateId`` error row that
 names the id and both sources (:class:`DuplicateIds`), so it is dead-lettered and reported
@@ -34,6 +40,9 @@ MALFORMED_JSON = "MalformedJSON"
 BAD_FIELD_TYPE = "BadFieldType"
 CORRUPT_FILE = "CorruptFile"
 DUPLICATE_ID = "DuplicateId"
+LINE_TOO_LONG = "LineTooLong"
+
+MAX_TEXT_CHARS = 2_000_000  # input.max_text_chars's default (about 500k tokens)
 
 
 def ok_row(*, doc_id: str | None, source: str, text: str,
@@ -65,6 +74,17 @@ def error_row(*, source: str, error_type: str, error: str, raw: bytes | str | No
         "error": error,
         "error_type": error_type,
     }
+
+
+def cut_text(row: dict, max_chars: int | None) -> dict:
+    """``row`` with its text cut to ``max_chars`` characters and ``text_truncated_chars`` set
+    to the number cut (module docstring); rows within the cap come back unchanged."""
+    text = row.get("text") or ""
+    if max_chars is None or len(text) <= max_chars:
+        return row
+    row["text"] = text[:max_chars]
+    row["text_truncated_chars"] = (row.get("text_truncated_chars") or 0) + len(text) - max_chars
+    return row
 
 
 class DuplicateIds:

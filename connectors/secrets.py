@@ -1,4 +1,5 @@
-"""Credentials in ``storage_options``: written as references, resolved where they are used.
+"""Credentials in ``storage_options``: written as references, resolved where they are used,
+never printed.
 
 A job file travels: ``dlbatch submit`` uploads it to the cluster, and a run hands its job to
 Ray tasks and actors on every node. So a credential in ``input.storage_options`` or
@@ -8,6 +9,25 @@ and resolved from the environment of the process that opens the filesystem
 ``listing.read_document_file``): the node's own environment, or the job's runtime_env. The
 provider's own credential chain (instance roles, ``~/.aws/credentials``,
 ``GOOGLE_APPLICATION_CREDENTIALS`` on the nodes) needs no option at all.
+
+Which references resolve (`reference_problems`): only inside ``storage_options``, and only
+under an option that carries a credential (`is_secret_key`: ``key``, ``secret``, ``token``,
+``password``, ``*_key``, ``credentials``, ..., or any option nested under one) or one of
+`REFERENCE_KEYS`, the connection settings the filesystems document that a deployment keeps
+in its environment (``endpoint_url``, ``region_name``, ``profile``, ``project``,
+``account_name``, ...). Any other ``${env:NAME}`` is refused, naming its key path: at load
+(dlbatch/jobspec) and again by `resolve_options`, so a job cannot read an arbitrary
+variable of a node (``${env:HOME}``, another service's secret) into an option whose value
+a filesystem may echo.
+
+Never printed. Every value `resolve_options` puts into options is remembered in this
+process, and `redact` writes it back as its reference (``${env:NAME}``) in any text; values
+shorter than ``MASK_MIN_CHARS`` are left alone (they would mangle every message and hold no
+secret). Errors raised by a filesystem opened or called with resolved options are redacted
+where they are re-raised: `masked` around the connectors' ``url_to_fs`` calls,
+`redact_exception` in `connectors.io_retry.call_with_retry` (every filesystem call goes
+through it) and in the parse stage's dead letters; the ``dlbatch`` command writes its
+stdout and stderr (its messages, its log) through `redacting_streams` as the last line.
 
 - ``literal_secrets(options)``: the key paths that hold a literal value under a
   secret-looking key (``key``, ``secret``, ``token``, ``password``, ``credential``,
@@ -26,9 +46,12 @@ machine); it then travels inside a run only sealed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
+import sys
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,10 +62,21 @@ _SECRET_WORDS = frozenset({  # a part of the option's name (split at _ - . and c
 })
 _SECRET_ENDINGS = ("key", "secret", "token", "password", "passwd", "credential", "credentials")
 _PARTS = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+# options that are not credentials but may be read from the environment: the connection
+# settings the filesystems document (s3fs/botocore, gcsfs, adlfs)
+REFERENCE_KEYS = frozenset({
+    "endpoint_url", "endpoint", "region", "region_name", "profile", "profile_name", "project", "account_name",
+    "tenant_id", "client_id",
+})
+MASK_MIN_CHARS = 4  # a resolved value shorter than this is not masked in messages
 
 
 class MissingCredential(ValueError):
     """A ``${env:NAME}`` reference whose variable is not set in this process."""
+
+
+class ReferenceNotAllowed(ValueError):
+    """A ``${env:NAME}`` reference under an option that may not read the environment."""
 
 
 def is_secret_key(key: str) -> bool:
@@ -77,15 +111,43 @@ def literal_secrets(options: Any, prefix: str = "storage_options") -> list[str]:
     return found
 
 
+def reference_problems(options: Any, prefix: str = "storage_options") -> list[tuple[str, str]]:
+    """``(key path, why)`` for each ``${env:NAME}`` reference the rule (module docstring)
+    refuses; empty when every reference is under a credential option or a `REFERENCE_KEYS` one."""
+    found: list[tuple[str, str]] = []
+
+    def walk(value: Any, path: str, key: str, allowed: bool) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}", str(k), allowed or is_secret_key(k))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}.{i}", key, allowed)
+        elif is_reference(value) and not (allowed or key in REFERENCE_KEYS):
+            found.append((path, f"{value.strip()} is not read here: a reference to the environment is read only "
+                                f"under a credential option (key, secret, token, password, *_key, credentials, ...) "
+                                f"or one of {', '.join(sorted(REFERENCE_KEYS))}"))
+
+    if isinstance(options, Mapping):
+        for k, v in options.items():
+            walk(v, f"{prefix}.{k}", str(k), is_secret_key(k))
+    return found
+
+
 def resolve_options(options: Any, what: str = "storage_options") -> dict:
     """A copy of ``options`` (a dict, None, or ``seal``'s ObjectRef) with every ``${env:NAME}``
-    value, at any depth, replaced by that variable of this process's environment."""
+    value, at any depth, replaced by that variable of this process's environment. A reference
+    the rule refuses raises `ReferenceNotAllowed`, a variable not set `MissingCredential`; each
+    resolved value is remembered so that `redact` masks it."""
     if options is None:
         return {}
     if not isinstance(options, Mapping):
         import ray
 
         options = ray.get(options)  # seal()'s ObjectRef
+    problems = reference_problems(options, what)
+    if problems:
+        raise ReferenceNotAllowed(": ".join(problems[0]))
 
     def sub(value: Any, path: str) -> Any:
         if isinstance(value, Mapping):
@@ -103,10 +165,104 @@ def resolve_options(options: Any, what: str = "storage_options") -> dict:
                         f"writes the data (the node's environment, or the job's runtime_env), or use the "
                         f"provider's own credential chain"
                     )
+                _remember(os.environ[name], name)
                 return os.environ[name]
         return value
 
     return {k: sub(v, f"{what}.{k}") for k, v in options.items()}
+
+
+# ------------------------------------------------------------------ masking resolved values
+
+_RESOLVED: dict[str, str] = {}  # a resolved value -> its reference, "${env:NAME}"
+_MASKS: tuple[tuple[str, str], ...] = ()  # the same pairs, longest value first (replaced whole, read lock-free)
+_LOCK = threading.Lock()
+
+
+def _remember(value: str, name: str) -> None:
+    global _MASKS
+    if len(value) >= MASK_MIN_CHARS and value not in _RESOLVED:
+        with _LOCK:
+            _RESOLVED[value] = f"${{env:{name}}}"
+            _MASKS = tuple(sorted(_RESOLVED.items(), key=lambda kv: len(kv[0]), reverse=True))
+
+
+def redact(text: str) -> str:
+    """``text`` with every value resolved in this process written as its reference (longest first)."""
+    masks = _MASKS
+    if not masks or not isinstance(text, str):
+        return text
+    for value, reference in masks:
+        if value in text:
+            text = text.replace(value, reference)
+    return text
+
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if type(value) in (list, tuple):
+        return type(value)(_redact_value(v) for v in value)
+    if type(value) is dict:
+        return {k: _redact_value(v) for k, v in value.items()}
+    return value
+
+
+def redact_exception(exc: BaseException) -> BaseException:
+    """Mask resolved values in ``exc`` in place (its arguments, an OSError's strerror and file
+    names, a botocore error's keyword arguments, its notes) and in the exceptions it chains to."""
+    first, seen = exc, set()
+    while exc is not None and id(exc) not in seen and _MASKS:
+        seen.add(id(exc))
+        try:
+            exc.args = tuple(_redact_value(a) for a in exc.args)
+            if isinstance(exc, OSError):
+                for attr in ("strerror", "filename", "filename2"):
+                    if isinstance(getattr(exc, attr, None), str):
+                        setattr(exc, attr, redact(getattr(exc, attr)))
+            if isinstance(getattr(exc, "kwargs", None), dict):
+                exc.kwargs = _redact_value(exc.kwargs)
+            if getattr(exc, "__notes__", None):
+                exc.__notes__ = [redact(n) for n in exc.__notes__]
+        except (AttributeError, TypeError):  # an exception type that refuses new attributes
+            pass
+        exc = exc.__cause__ or exc.__context__
+    return first
+
+
+@contextlib.contextmanager
+def masked():
+    """``with masked():`` an exception raised inside leaves with resolved values masked."""
+    try:
+        yield
+    except BaseException as e:
+        redact_exception(e)
+        raise
+
+
+class _RedactingStream:
+    """A text stream that masks resolved values in what is written to it."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(redact(text))
+        return len(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def redacting_streams():
+    """``sys.stdout`` and ``sys.stderr`` mask resolved values while inside (the ``dlbatch`` command)."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _RedactingStream(sys.stdout), _RedactingStream(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 def seal(options: Mapping | None):

@@ -42,9 +42,10 @@ def _url_to_fs(url: str, storage_options: dict | None):
     """``${env:NAME}`` values of ``storage_options`` resolved here (`connectors.secrets`)."""
     import fsspec
 
-    from .secrets import resolve_options
+    from .secrets import masked, resolve_options
 
-    return fsspec.core.url_to_fs(url, **resolve_options(storage_options))
+    with masked():
+        return fsspec.core.url_to_fs(url, **resolve_options(storage_options))
 
 
 def _join(root: str, name: str) -> str:

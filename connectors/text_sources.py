@@ -12,6 +12,11 @@ with the line/row number in ``source`` and ``error``; they never stop the file:
 
 ``source`` is ``<path>#line<N>`` (1-based) for JSONL and ``<path>#row<N>`` (0-based) for
 Parquet and datasets (``<path>#<split>/row<N>`` for a DatasetDict).
+
+Bounded lines. A JSONL (or OpenAI batch) line longer than ``max_line_bytes`` is never held:
+:func:`bounded_lines` reads the file in chunks, keeps at most the cap plus one chunk, reads
+past the rest of an over-long line to its newline and yields it as its length only; the line
+is a ``LineTooLong`` error row naming its size and the cap (`line_too_long`).
 """
 
 from __future__ import annotations
@@ -19,16 +24,19 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from .io_retry import call_with_retry
-from .records import (CORRUPT_FILE, DECODE_ERROR, EMPTY_DOCUMENT, MALFORMED_JSON, error_row, ok_row,
+from .records import (CORRUPT_FILE, DECODE_ERROR, EMPTY_DOCUMENT, LINE_TOO_LONG, MALFORMED_JSON, error_row, ok_row,
                       record_to_row)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TEXT_FIELD = "text"
 DEFAULT_TITLE_FIELD = "title"
+MAX_LINE_BYTES = 16 << 20  # input.max_line_bytes's default
+READ_CHUNK = 1 << 20       # bytes read at a time by bounded_lines
+HEAD_BYTES = 4096          # what bounded_lines keeps of an over-long line
 
 
 def _fs_for(path: str, fs, storage_options: dict | None = None):
@@ -36,9 +44,10 @@ def _fs_for(path: str, fs, storage_options: dict | None = None):
         return fs
     import fsspec
 
-    from .secrets import resolve_options
+    from .secrets import masked, resolve_options
 
-    fs, _ = fsspec.core.url_to_fs(path, **resolve_options(storage_options))
+    with masked():
+        fs, _ = fsspec.core.url_to_fs(path, **resolve_options(storage_options))
     return fs
 
 
@@ -65,22 +74,88 @@ def _compression_for(path: str) -> str | None:
 # ------------------------------------------------------------------ JSONL
 
 
-def jsonl_lines(fs, path: str) -> Iterator[tuple[int, bytes, str]]:
-    """(1-based line number, the line's bytes, its source ``<path>#line<N>``) of every
-    non-blank line of a JSON Lines file (compressed by its suffix)."""
+def bounded_lines(f, max_bytes: int | None, chunk: int = READ_CHUNK) -> Iterator[tuple[bytes | None, int, bytes]]:
+    """``(line, length, head)`` of every line of the binary file ``f``, without its newline;
+    the line is None when it is longer than ``max_bytes`` (None: no cap), and ``head`` is then
+    its first ``HEAD_BYTES`` (b"" otherwise). Holds at most ``max_bytes + chunk`` bytes: an
+    over-long line is read past, not kept."""
+    buf = bytearray()
+    skipped, head = -1, b""  # skipped >= 0: the length so far of an over-long line being read past
+    while True:
+        data = f.read(chunk)
+        if not data:
+            break
+        start = 0
+        if skipped >= 0:
+            nl = data.find(b"\n")
+            head += data[:min(HEAD_BYTES - len(head), len(data) if nl < 0 else nl)]
+            if nl < 0:
+                skipped += len(data)
+                continue
+            yield None, skipped + nl, head
+            skipped, start = -1, nl + 1
+        searched = len(buf)  # what buf holds already has no newline
+        buf += data[start:] if start else data
+        pos = 0
+        while (nl := buf.find(b"\n", max(pos, searched))) >= 0:
+            yield _line(buf, pos, nl, max_bytes)
+            pos = nl + 1
+        del buf[:pos]
+        if max_bytes is not None and len(buf) > max_bytes:
+            skipped, head, buf = len(buf), bytes(buf[:HEAD_BYTES]), bytearray()
+    if skipped >= 0:
+        yield None, skipped, head
+    elif buf:
+        yield _line(buf, 0, len(buf), max_bytes)
+
+
+def _line(buf: bytearray, start: int, end: int, max_bytes: int | None) -> tuple[bytes | None, int, bytes]:
+    n = end - start
+    if max_bytes is None or n <= max_bytes:
+        return bytes(buf[start:end]), n, b""
+    return None, n, bytes(buf[start:min(end, start + HEAD_BYTES)])
+
+
+class Line(NamedTuple):
+    """A non-blank line of a JSON Lines file: ``raw`` is None when it was longer than the cap
+    (``head``: its first bytes then)."""
+
+    number: int  # 1-based, blank lines counted
+    raw: bytes | None
+    source: str  # <path>#line<N>
+    size: int  # bytes, without the newline
+    head: bytes = b""
+
+
+def jsonl_lines(fs, path: str, max_line_bytes: int | None = MAX_LINE_BYTES) -> Iterator[Line]:
+    """Every non-blank line of a JSON Lines file (compressed by its suffix), each over
+    ``max_line_bytes`` without its bytes (:func:`bounded_lines`)."""
     with _open(fs, path, _compression_for(path)) as f:
-        for number, raw in enumerate(f, start=1):
-            raw = raw.rstrip(b"\r\n")
-            if raw.strip():
-                yield number, raw, f"{path}#line{number}"
+        for number, (raw, size, head) in enumerate(bounded_lines(f, max_line_bytes), start=1):
+            if raw is not None:
+                raw = raw.rstrip(b"\r")
+                if not raw.strip():
+                    continue
+            yield Line(number, raw, f"{path}#line{number}", size, head)
+
+
+def line_too_long(line: Line, max_line_bytes: int | None) -> dict:
+    """The error row of a line over the cap (its id: the hash of its source)."""
+    return error_row(source=line.source, error_type=LINE_TOO_LONG,
+                     error=f"line {line.number}: {line.size} bytes, over input.max_line_bytes={max_line_bytes}; "
+                           "not read")
 
 
 def read_jsonl(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | None = None,
                fs=None, title_field: str | None = DEFAULT_TITLE_FIELD,
-               storage_options: dict | None = None) -> Iterator[dict]:
+               storage_options: dict | None = None, max_line_bytes: int | None = MAX_LINE_BYTES) -> Iterator[dict]:
     """One row per non-blank line of a JSON Lines file (``.jsonl``, ``.json``, ``.jsonl.gz``)."""
     fs = _fs_for(path, fs, storage_options)
-    for number, raw, source in jsonl_lines(fs, path):
+    for line in jsonl_lines(fs, path, max_line_bytes):
+        number, raw, source = line.number, line.raw, line.source
+        if raw is None:
+            yield line_too_long(line, max_line_bytes)
+            continue
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

@@ -65,14 +65,16 @@ def _documents(spec, files: list[str]):
     inp = spec.input
     # input.limit: the first N rows of the sorted files, as per-file row caps (not ds.limit)
     reads = limited_reads(files, inp.format, inp.limit, dict(inp.storage_options), text_field=inp.text_field,
-                          id_field=inp.id_field, max_pages=inp.max_pages)
+                          id_field=inp.id_field, max_pages=inp.max_pages, max_line_bytes=inp.max_line_bytes)
     ds = ray.data.from_items([{"url": f, "max_rows": n} for f, n in reads],
                              override_num_blocks=max(1, min(len(reads), MAX_BLOCKS)))
     return ds.flat_map(parse_file, fn_kwargs=dict(fmt=inp.format, text_field=inp.text_field, id_field=inp.id_field,
                                                   storage_options=seal(inp.storage_options), max_pages=inp.max_pages,
                                                   max_file_bytes=inp.max_file_bytes,
                                                   parse_timeout_s=inp.parse_timeout_s,
-                                                  parse_memory_mb=inp.parse_memory_mb),
+                                                  parse_memory_mb=inp.parse_memory_mb,
+                                                  max_line_bytes=inp.max_line_bytes,
+                                                  max_text_chars=inp.max_text_chars),
                        num_cpus=0.25)
 
 

@@ -1,7 +1,8 @@
 """Shared fixtures: one local Ray for the whole test session, bound to 127.0.0.1, with the
 chip resources the sample jobs name; a Ray temp dir of a test's own (raytmp); a moto S3
 server on 127.0.0.1 (s3_server, s3_options, s3_bucket). Shared helpers that are not
-fixtures live in tests/helpers/."""
+fixtures live in tests/helpers/. ``DLBATCH_TEST_HIDE=libibverbs`` hides that system library
+from the test process (tests/helpers/optional.py)."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+
+from tests.helpers.optional import hide_from_environment  # noqa: E402
+
+hide_from_environment()  # DLBATCH_TEST_HIDE=libibverbs: the tests as a machine without that library runs them
 
 
 @pytest.fixture(scope="session")

@@ -163,7 +163,44 @@ def test_doc_ids_are_stable_content_hashes(tmp_path):
         content_id(12)
 
 
+def test_id_field_values_map_to_ids_one_to_one():
+    """Distinct values, distinct ids (a string is never a number, nor spaces nothing); equal
+    values, equal ids; plain strings stay as they are (existing outputs resume)."""
+    from connectors.ids import id_from_field
+
+    distinct = [" a ", "a", "a ", 1, "1", True, "True", "true", "bool:true", 1.5, "num:1", "str:x", "x", [1], "[1]",
+                {"k": 1}, -1, 10 ** 20]
+    ids = [id_from_field(v) for v in distinct]
+    assert len(set(ids)) == len(ids), ids
+    assert id_from_field(1) == id_from_field(1.0) == id_from_field(1.0 + 0) and id_from_field(b"a") == id_from_field("a")
+    assert id_from_field({"b": 1, "a": 2}) == id_from_field({"a": 2, "b": 1})
+    for plain in ("a", "doc-17", "17", "x y", "True"):
+        assert id_from_field(plain) == plain
+    for missing in (None, "", "  ", float("nan")):
+        assert id_from_field(missing) is None
+
+
 # ------------------------------------------------------------------ listing
+
+
+def test_links_out_of_the_input_folder_are_skipped_with_a_warning(tmp_path, caplog):
+    inp, elsewhere = tmp_path / "incoming", tmp_path / "private"
+    inp.mkdir()
+    elsewhere.mkdir()
+    (inp / "a.jsonl").write_text('{"text": "mine"}\n')
+    (elsewhere / "secret.jsonl").write_text('{"text": "not for the output"}\n')
+    (elsewhere / "more").mkdir()
+    (elsewhere / "more" / "b.jsonl").write_text('{"text": "nor this"}\n')
+    (inp / "link.jsonl").symlink_to(elsewhere / "secret.jsonl")
+    (inp / "linked_dir").symlink_to(elsewhere / "more")
+    (inp / "alias.jsonl").symlink_to(inp / "a.jsonl")  # a link that stays inside: read
+    with caplog.at_level("WARNING", logger="connectors.listing"):
+        got = list_inputs(str(inp), "jsonl")
+    assert got == [str(inp / "a.jsonl"), str(inp / "alias.jsonl")]
+    assert f"{inp / 'link.jsonl'} resolves to {elsewhere / 'secret.jsonl'}" in caplog.text
+    assert "b.jsonl" not in caplog.text  # a linked folder is not walked into at all
+    assert list_inputs(str(inp / "*.jsonl"), "jsonl") == got  # a glob too
+    assert list_inputs(str(inp / "link.jsonl"), "jsonl") == [str(inp / "link.jsonl")]  # named: read as named
 
 
 def test_listing_forms_and_errors(tmp_path):

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from connectors.secrets import (MissingCredential, is_secret_key, literal_secrets, resolve_options, seal,
-                                without_storage_options)
-from dlbatch.jobspec import load_job
+from connectors.secrets import (MissingCredential, ReferenceNotAllowed, is_secret_key, literal_secrets,
+                                reference_problems, resolve_options, seal, without_storage_options)
+from dlbatch.jobspec import JobSpecError, load_job
 
 SECRET = "s3cr3t-DO-NOT-LEAK-7f3a"
 REF = "${env:DLB_TEST_SECRET}"
@@ -136,6 +136,61 @@ def test_a_missing_variable_names_key_and_variable(monkeypatch):
         resolve_options({"client_kwargs": {"token": "${env:DLB_TEST_MISSING}"}}, "input.storage_options")
     with pytest.raises(MissingCredential, match="DLB_TEST_MISSING is not set"):
         list_inputs("memory://creds/", "jsonl", {"token": "${env:DLB_TEST_MISSING}"})
+
+
+# --------------------------------------------------------------------------- which references resolve
+def test_a_reference_outside_the_credential_and_connection_keys_is_refused_naming_the_key(monkeypatch):
+    monkeypatch.setenv("DLB_TEST_SECRET", SECRET)
+    with pytest.raises(JobSpecError) as e:
+        load_job("jobs/papers_jsonl.yaml", ['input.storage_options={anon: "${env:DLB_TEST_SECRET}"}',
+                                            'output.storage_options={client_kwargs: {verify: "${env:HOME}"}}'])
+    msg = str(e.value)
+    assert "input.storage_options.anon: ${env:DLB_TEST_SECRET} is not read here" in msg
+    assert "output.storage_options.client_kwargs.verify: ${env:HOME} is not read here" in msg
+    assert SECRET not in msg
+    with pytest.raises(ReferenceNotAllowed, match=r"storage_options\.default_cache_type: \$\{env:HOME\}"):
+        resolve_options({"default_cache_type": "${env:HOME}"})
+    # credentials, anything nested under one, and the documented connection settings resolve
+    ok = {"key": REF, "credentials": {"client_email": REF}, "profile": REF,
+          "client_kwargs": {"endpoint_url": REF, "region_name": REF}}
+    assert reference_problems(ok) == []
+    assert resolve_options(ok)["client_kwargs"]["endpoint_url"] == SECRET
+
+
+SECRET_ENDPOINT = "sk-live-7f3a9c0d-NOT-A-URL"  # a secret-looking value that is no endpoint: botocore echoes it
+ENDPOINT_OPTS = '{anon: true, client_kwargs: {endpoint_url: "${env:DLB_TEST_ENDPOINT}"}}'
+
+
+def test_errors_of_a_filesystem_opened_with_a_resolved_value_mask_it(monkeypatch):
+    """The error as raised (what a dead letter, a report or a Ray task error would carry)."""
+    from connectors.listing import list_inputs
+
+    monkeypatch.setenv("DLB_TEST_ENDPOINT", SECRET_ENDPOINT)
+    with pytest.raises(ValueError) as e:
+        list_inputs("s3://bucket/in/", "jsonl", {"anon": True, "client_kwargs": {"endpoint_url": "${env:DLB_TEST_ENDPOINT}"}})
+    assert "Invalid endpoint: ${env:DLB_TEST_ENDPOINT}" in str(e.value) and SECRET_ENDPOINT not in str(e.value)
+
+
+@pytest.mark.parametrize("command,where", [("validate", "input"), ("run", "input"), ("validate", "output")])
+def test_a_job_whose_endpoint_is_a_reference_fails_without_printing_its_value(monkeypatch, capsys, caplog, tmp_path,
+                                                                             command, where):
+    from dlbatch.cli.main import main
+
+    monkeypatch.setenv("DLB_TEST_ENDPOINT", SECRET_ENDPOINT)
+    docs = tmp_path / "in"
+    docs.mkdir()
+    (docs / "a.jsonl").write_text('{"text": "hello"}\n')
+    sets = {"input": ["input.path=s3://bucket/in/", f"input.storage_options={ENDPOINT_OPTS}",
+                      f"output.path={tmp_path / 'out'}"],
+            "output": [f"input.path={docs}", "output.path=s3://bucket/out/", f"output.storage_options={ENDPOINT_OPTS}"]}
+    argv = [command, "jobs/papers_jsonl.yaml"]
+    for s in sets[where]:
+        argv += ["--set", s]
+    rc = main(argv)
+    out = capsys.readouterr()
+    assert rc == 2, out.err
+    assert "Invalid endpoint: ${env:DLB_TEST_ENDPOINT}" in out.err
+    assert SECRET_ENDPOINT not in out.out + out.err + caplog.text
 
 
 # --------------------------------------------------------------------------- inside a run

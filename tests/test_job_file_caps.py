@@ -8,7 +8,7 @@ import yaml
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 JOB = REPO / "jobs" / "papers.yaml"
-CAPS = ("max_pages", "max_file_bytes", "parse_timeout_s", "parse_memory_mb")
+CAPS = ("max_pages", "max_file_bytes", "parse_timeout_s", "parse_memory_mb", "max_line_bytes", "max_text_chars")
 
 
 def test_papers_job_shows_every_parse_cap_at_its_default():
@@ -34,3 +34,16 @@ def test_outputs_written_with_no_page_cap_still_resume():
     assert before.input.max_pages is None and now.input.max_pages == 1000
     assert job_fingerprint(now) == job_fingerprint(before)
     check_resume_compatible(fingerprint_fields(before), now)
+
+
+def test_the_text_cap_counts_in_the_fingerprint_only_off_its_default():
+    """``max_text_chars`` changes the rows of longer documents: another value is another job;
+    its default and no cap alike keep the fingerprint of outputs written before it existed.
+    ``max_line_bytes`` only decides which lines are dead letters."""
+    from dlbatch.jobspec import job_fingerprint, load_job
+
+    now = job_fingerprint(load_job(str(JOB), []))
+    assert job_fingerprint(load_job(str(JOB), ["input.max_text_chars=null"])) == now
+    assert job_fingerprint(load_job(str(JOB), ["input.max_text_chars=1000"])) != now
+    assert job_fingerprint(load_job(str(JOB), ["input.max_line_bytes=1000"])) == now
+

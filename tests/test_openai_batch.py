@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from connectors.openai_batch import InvalidRequest, translate
+from connectors.openai_batch import DuplicateCustomId, InvalidRequest, translate
 from dlbatch.jobspec import JobSpecError, parse_job
 
 MODEL = "smollm2-135m-instruct"
@@ -129,8 +129,9 @@ def test_reader_rows_and_bad_lines(tmp_path):
         {**_line("d"), "method": "GET"},
         _line("a", messages=MSGS),
     ])
-    assert list_inputs(str(tmp_path), "openai_batch") == [path]
-    rows = list(read_document_file(path, "openai_batch"))
+    with pytest.raises(DuplicateCustomId, match=r"custom_id 'a' is on .*b\.jsonl line 1 and .*b\.jsonl line 8"):
+        list_inputs(str(tmp_path), "openai_batch")  # listing refuses the file, as an upload is refused
+    rows = list(read_document_file(path, "openai_batch"))  # the reader alone still never runs an id twice
     assert [r["source"].rsplit("#", 1)[1] for r in rows] == ["line1", "line2", "line4", "line5", "line6", "line7",
                                                              "line8"]
     a, b = rows[0], rows[1]
@@ -142,6 +143,30 @@ def test_reader_rows_and_bad_lines(tmp_path):
                                                    "DuplicateId"]
     assert rows[4]["doc_id"] == "c" and "/v1/embeddings" in rows[4]["error"] and "line 6" in rows[4]["error"]
     assert "duplicate custom_id 'a'" in rows[6]["error"] and rows[6]["doc_id"] != "a"
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_a_repeated_custom_id_refuses_the_job_naming_the_lines(tmp_path, capsys, command):
+    """As the Batch API refuses the upload: within one file or across two, the job exits 2
+    before anything runs, naming both lines, and writes nothing."""
+    from dlbatch.cli.main import main
+
+    (tmp_path / "in").mkdir()
+    _write(tmp_path / "in" / "a.jsonl", [_line("r1", messages=MSGS), _line("r2", messages=MSGS),
+                                         _line("r1", messages=MSGS)])
+    _write(tmp_path / "in" / "b.jsonl", [_line("r3", messages=MSGS), _line("r2", messages=MSGS)])
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(_job(tmp_path, tmp_path / "in")))
+    assert main([command, str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "custom_id 'r1' is on " in err and "a.jsonl line 1 and " in err and "a.jsonl line 3" in err
+    assert "custom_id 'r2' is on " in err and "a.jsonl line 2 and " in err and "b.jsonl line 2" in err
+    assert not (tmp_path / "out" / "results.jsonl").exists() and not list((tmp_path / "out").glob("*.parquet"))
+    _write(tmp_path / "in" / "b.jsonl", [_line("r3", messages=MSGS)])
+    _write(tmp_path / "in" / "a.jsonl", [_line("r1", messages=MSGS), _line("r2", messages=MSGS)])
+    from connectors.listing import list_inputs
+
+    assert len(list_inputs(str(tmp_path / "in"), "openai_batch")) == 2  # unique ids: listed
 
 
 # ---------------------------------------------------------------------------- the job file

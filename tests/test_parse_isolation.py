@@ -249,14 +249,16 @@ def test_file_over_the_byte_cap_is_not_read(tmp_path):
     assert row["error_type"] == "FileTooLarge" and "600 bytes" in row["error"]
 
 
-def test_mupdf_allocation_failure_is_memory_not_a_corrupt_pdf(monkeypatch):
+@pytest.mark.parametrize("message", ["code=2: malloc (417525534 bytes) failed", "code=2: calloc (8 x 6553600 bytes) failed",
+                                     "FzErrorSystem: code=2: realloc (10485760 bytes) failed"])
+def test_mupdf_allocation_failure_is_memory_not_a_corrupt_pdf(monkeypatch, message):
     import connectors.pdf as pdf
 
     def fail(*a, **k):
-        raise RuntimeError("code=2: malloc (417525534 bytes) failed")
+        raise RuntimeError(message)
 
     monkeypatch.setattr(pdf, "_extract_open", fail)
-    with pytest.raises(MemoryError, match="malloc"):
+    with pytest.raises(MemoryError, match=message.split(": ")[-1].split(" (")[0]):
         pdf.extract_pdf((PAPERS / "tidal_array_wakes.pdf").read_bytes(), "x.pdf")
 
 

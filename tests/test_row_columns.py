@@ -102,6 +102,18 @@ def test_bad_messages_and_columns_are_refused_at_load_naming_them(tmp_path):
         parse_job(_job(tmp_path, path, keep=["output"]))
 
 
+@pytest.mark.parametrize("name", ["valid", "output_error", "samples", "logprobs", "text", "pair_json"])
+def test_keep_columns_named_like_any_result_field_is_refused_at_load(tmp_path, name):
+    """Every field a result row may hold, the structured-output and sampling ones too, and the
+    typed column of a JSON-schema task: kept under its name, the input column would be dropped."""
+    path = _jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    tasks = [{"name": "pair", "prompt": "{{ text }}", "max_tokens": 8,
+              "output": {"json_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    with pytest.raises(JobSpecError, match=f"keep_columns: '{name}' is the name of a result column"):
+        parse_job(_job(tmp_path, path, tasks=tasks, keep=["question", name]))
+    parse_job(_job(tmp_path, path, tasks=tasks, keep=["question", "answer_json"]))  # no task 'answer' here
+
+
 def test_a_missing_column_is_named_before_the_run(tmp_path):
     path = _jsonl(tmp_path / "q.jsonl", QUESTIONS)
     assert peek_columns(path, "jsonl", "text") == {"id", "text", "question", "level", "tags"}

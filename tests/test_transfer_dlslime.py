@@ -18,6 +18,7 @@ from dlbatch.transfer import payload as P
 from dlbatch.transfer.choose import get_transport
 from dlbatch.transfer.errors import CorruptPayload, SenderDied, TransferError, TransferTimeout, TransportUnavailable
 from tests.helpers import dlslime_children as children
+from tests.helpers.optional import dlslime_missing
 
 FP = "llama:abc123"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -47,7 +48,7 @@ def _threads_settle_at_most(n: int, timeout: float = 5.0) -> bool:
 def D():
     from dlbatch.transfer import dlslime_transport
 
-    reason = dlslime_transport.unavailable_reason()
+    reason = dlslime_missing()
     if reason:
         pytest.skip(reason)
     yield dlslime_transport

@@ -20,6 +20,7 @@ from dlbatch.transfer import payload as P
 from dlbatch.transfer.choose import choose_transport, get_transport, one_node_reason
 from dlbatch.transfer.errors import TransportUnavailable
 from tests.helpers.fake_workers import FakeWorker, Remote
+from tests.helpers.optional import dlslime_missing
 
 FP = "llama:security"
 ENV = "DLBATCH_DLSLIME_ALLOW_NETWORK"  # set by the driver on its workers from cluster.dlslime_allow_network
@@ -38,7 +39,7 @@ def no_env(monkeypatch):
 
 @pytest.fixture
 def live(no_env):
-    reason = D.unavailable_reason()
+    reason = dlslime_missing()
     if reason:
         pytest.skip(reason)
     yield D
@@ -74,8 +75,9 @@ def test_dlbatch_dlslime_ip_off_loopback_fails_the_job_at_start(no_env, monkeypa
 
 
 def test_opt_in_lets_a_network_address_through(no_env, monkeypatch):
-    if D.unavailable_reason():
-        pytest.skip(D.unavailable_reason())
+    reason = dlslime_missing()
+    if reason:
+        pytest.skip(reason)
     monkeypatch.setattr(D, "DEFAULT_IP", OFF_LOOPBACK)
     assert choose_transport("dlslime", "cpu", "cpu", dlslime_allow_network=True) == ("dlslime", "asked for by the job")
     assert D.DLSlimeTransport(ip=OFF_LOOPBACK, allow_network=True).allow_network

@@ -63,10 +63,20 @@ def _extra_commands():
 
 
 def main(argv: list[str] | None = None) -> int:
-    import logging
+    """Run one command. What it writes to stdout and stderr (messages, log, tracebacks) goes
+    through `connectors.secrets.redacting_streams`: a credential resolved from ``${env:NAME}``
+    is never printed."""
+    from connectors.secrets import redacting_streams
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    with redacting_streams():
+        return _run(parser, args)
+
+
+def _run(parser: argparse.ArgumentParser, args) -> int:
+    import logging
+
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if not getattr(args, "func", None):

@@ -112,7 +112,7 @@ def _inputs(spec) -> list[str]:
 
     inp = spec.input
     try:
-        files = list_inputs(inp.path, inp.format, dict(inp.storage_options))
+        files = list_inputs(inp.path, inp.format, dict(inp.storage_options), max_line_bytes=inp.max_line_bytes)
     except (OSError, ValueError) as e:
         raise Invalid(f"input.path {inp.path!r}: {e}") from None
     if not files:
@@ -186,7 +186,8 @@ def _prompts(spec, files: list[str], n_docs: int, show_chars: int, max_model_len
         for doc in parse_file({"url": url, "max_rows": n_docs - len(docs)}, inp.format, inp.text_field,
                               inp.id_field, dict(inp.storage_options), inp.max_pages,
                               max_file_bytes=inp.max_file_bytes, parse_timeout_s=inp.parse_timeout_s,
-                              parse_memory_mb=inp.parse_memory_mb):
+                              parse_memory_mb=inp.parse_memory_mb, max_line_bytes=inp.max_line_bytes,
+                              max_text_chars=inp.max_text_chars):
             docs.append((doc, [] if doc.get("error") else stage.process(doc)))
     ok = [(d, rows) for d, rows in docs if rows and not rows[0].get("error")]
     for d, rows in docs:

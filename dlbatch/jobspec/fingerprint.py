@@ -45,6 +45,10 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
         # decide which files are dead letters, never a row's content: left out.
         "input.max_pages": None if spec.input.max_pages == InputSpec.model_fields["max_pages"].default
         else spec.input.max_pages,
+        # the text cap changes the rows of longer documents only: set off its default (or null) it
+        # counts, the default and no cap alike do not (outputs written before it existed resume)
+        **({"input.max_text_chars": spec.input.max_text_chars} if spec.input.max_text_chars not in (
+            None, InputSpec.model_fields["max_text_chars"].default) else {}),
         "output.include_text": spec.output.include_text,
         **({"output.format": spec.output.format} if spec.output.format != "parquet" else {}),  # older outputs resume
         "tasks": [t.name for t in spec.tasks],

@@ -27,6 +27,10 @@ class InputSpec(BaseModel):
     max_file_bytes: Optional[int] = Field(256 << 20, ge=1)  # larger PDF/text files: FileTooLarge; null: no cap
     parse_timeout_s: float = Field(300.0, gt=0)  # wall time of one PDF's parse: ParseTimeout
     parse_memory_mb: Optional[int] = Field(4096, ge=512)  # the PDF parser process's address space; null: no cap
+    # Bounds on what one document may cost downstream (connectors/records.py, text_sources.py); the
+    # same defaults are connectors' MAX_LINE_BYTES and MAX_TEXT_CHARS
+    max_line_bytes: Optional[int] = Field(16 << 20, ge=1)  # a longer JSONL/batch line: LineTooLong, never held
+    max_text_chars: Optional[int] = Field(2_000_000, ge=1)  # a longer text is cut to it (text_truncated_chars)
     # format hf, a Hub dataset id (path: org/name; connectors/hf_hub.py): folded into path, the
     # input's URL hf-dataset://org/name?config=..&split=..
     split: Optional[str] = Field(None, min_length=1)  # null: "train"

@@ -108,8 +108,12 @@ def token_budget_problems(spec: JobSpec, limits: ModelLimits) -> list[tuple[str,
 def _cross_problems(spec: JobSpec, limits: ModelLimits) -> list[tuple[str, str]]:
     """Problems between sections: an output folder inside the input folder (its parts would
     be read back as inputs), a task's max_tokens that leaves no room for a prompt in the
-    model's context (`token_budget_problems`)."""
-    problems = []
+    model's context (`token_budget_problems`); and a ``${env:NAME}`` in storage
+    options outside the keys that may read the environment (`connectors.secrets`)."""
+    from connectors.secrets import reference_problems
+
+    problems = reference_problems(spec.input.storage_options, "input.storage_options")
+    problems += reference_problems(spec.output.storage_options, "output.storage_options")
     folder = _input_folder(spec)
     if folder is not None and _is_inside(spec.output.path, folder):
         problems.append(("output.path", f"{spec.output.path!r} is inside input.path {spec.input.path!r}: "

@@ -48,14 +48,26 @@ def _local_path(path: str) -> Optional[str]:
     return _resolve_local(rest or "/") if scheme.lower() in ("file", "local") else None
 
 
+_SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3", "gcs": "gs", "abfss": "abfs"}  # one filesystem, two spellings
+
+
+def _canonical_url(url: str) -> str:
+    """A URL as the filesystem reads it: the scheme in lower case and under its one name
+    (``S3://``, ``s3a://`` -> ``s3://``), runs of ``/`` in the path as one, no trailing ``/``."""
+    scheme, rest = url.split("://", 1)
+    scheme = scheme.lower()
+    return f"{_SCHEME_ALIASES.get(scheme, scheme)}://{re.sub(r'/+', '/', rest).strip('/')}"
+
+
 def _is_inside(path: str, folder: str) -> bool:
-    """``path`` is ``folder`` or below it (local paths by their real path, URLs by text)."""
+    """``path`` is ``folder`` or below it (local paths by their real path, URLs by their
+    `_canonical_url`)."""
     a, b = _local_path(path), _local_path(folder)
     if a is not None and b is not None:
         return _is_same_or_ancestor(b, a)
     if a is not None or b is not None:
         return False
-    a, b = path.rstrip("/"), folder.rstrip("/")
+    a, b = _canonical_url(path), _canonical_url(folder)
     return a == b or a.startswith(b + "/")
 
 

@@ -90,9 +90,10 @@ class JobSpec(BaseModel):
             if self.output.keep_columns:
                 raise ValueError(f"output.keep_columns: {self.input.format} inputs have no columns to keep")
         if isinstance(self.output.keep_columns, list):
-            from dlbatch.records import RESULT_COLUMNS
+            from dlbatch.prompts.columns import result_column_names
 
-            clash = [c for c in self.output.keep_columns if c in RESULT_COLUMNS or c == "text"]
+            names = set(result_column_names(self.tasks))
+            clash = [c for c in self.output.keep_columns if c in names]
             if clash:
                 raise ValueError(f"output.keep_columns: {', '.join(map(repr, clash))} is the name of a result "
                                  "column; rename the input column")

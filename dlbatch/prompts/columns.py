@@ -7,11 +7,27 @@ misspelt column is one error at start-up, not a dead letter per document. Rows o
 may differ: a column found in any of the first rows counts, and a later row without it is
 that row's dead letter (the template's StrictUndefined names it).
 
+``RESULT_COLUMNS`` are the names every result row has (dlbatch/records.py);
+`result_column_names` adds those a job's rows may have besides (``text``, ``valid``,
+``output_error``, ``samples``, ``logprobs``, ``<task>_json`` of a JSON-schema task): an input
+column kept under one of them would be dropped or ambiguous, so ``keep_columns`` refuses them.
 """
 from __future__ import annotations
 
-from dlbatch.records import RESULT_COLUMNS  # noqa: F401 - dlbatch/output/parquet_store.py reads it here
+from dlbatch.records import RESULT_COLUMNS
+
 PEEK_ROWS = 100
+# result fields a job's rows may hold besides RESULT_COLUMNS: the text (include_text), the
+# structured-output verdict (dlbatch/prompts/structured.py), the samples and logprobs (sampling.py)
+OPTIONAL_RESULT_COLUMNS = ["text", "valid", "output_error", "samples", "logprobs"]
+
+
+def result_column_names(tasks) -> list[str]:
+    """Every column name a result row of a job with these tasks may have."""
+    from dlbatch.prompts.structured import json_column
+
+    typed = [json_column(t.name) for t in tasks if getattr(getattr(t, "output", None), "json_schema", None) is not None]
+    return RESULT_COLUMNS + OPTIONAL_RESULT_COLUMNS + typed
 
 
 def peek_columns(url: str, fmt: str, text_field: str, storage_options: dict | None = None,

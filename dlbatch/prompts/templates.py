@@ -49,12 +49,11 @@ so that the K prompts of a document share it as a prefix and the router /
 prefix cache compute the document's KV once: :func:`check_shared_prefix`.
 
 Bounds. A template runs once per (document, task), so no template may hang or
-exhaust memory. Every render has a budget (:class:`RenderBudget`): loop iterations
-and ``range()`` items together at most ``MAX_LOOP_STEPS`` (every ``{% for %}`` is
-compiled with a guard that charges it), a wall-time deadline checked at each
-step, ``range()`` at most ``MAX_RANGE`` items, ``*`` / ``**`` / ``%`` and calls
-that would build a huge value refused before they run, and the rendered prompt
-at most ``MAX_RENDER_CHARS`` plus four times the document's text.
+exhaust memory: it renders in the sandbox of dlbatch/prompts/sandbox.py, whose budget
+bounds loop steps and wall time, the size of every value the template builds
+(concatenation, ``+``, ``*``, formats, ``replace``/``join``/``indent``, every filter
+and call) and the characters it writes, in proportion to what the render is given.
+A bound that is hit, or a MemoryError, is the task's :class:`TemplateError`.
 :func:`check_template` (what the job file's validation calls) refuses attributes and
 items whose name starts with ``_`` (the sandbox refuses them at render time anyway),
 and renders the template once against a sample document, so a template that breaks
@@ -62,10 +61,7 @@ a bound or reaches an undefined value is refused at load, not on every document.
 """
 from __future__ import annotations
 
-import contextvars
-import functools
 import re
-import time
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -73,6 +69,8 @@ import jinja2
 from jinja2 import StrictUndefined, meta, nodes
 from jinja2.exceptions import SecurityError, TemplateSyntaxError, UndefinedError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from dlbatch.prompts.sandbox import RenderLimit, Sandbox, bounded, budget_for
 
 __all__ = [
     "TEMPLATE_VARIABLES",
@@ -99,133 +97,10 @@ class TemplateError(ValueError):
         super().__init__(f"task {task!r}: {message}")
 
 
-MAX_LOOP_STEPS = 100_000      # loop iterations + range() items of one render, all loops together
-MAX_RANGE = 10_000            # items of one range()
-MAX_RENDER_SECONDS = 10.0     # wall time of one render, checked at every loop step
-MAX_RENDER_CHARS = 1 << 20    # characters of one rendered prompt beyond 4x its document's text
-MAX_ARGUMENT = 1_000_000      # an integer argument of a filter or method call (widths, counts)
-_WIDE_FORMAT = re.compile(r"[0-9]{7,}")  # a width or precision of 7+ digits in a format string
-
-
-class RenderLimit(Exception):
-    """A render went past one of the bounds of :class:`RenderBudget` (message names it)."""
-
-
-class RenderBudget:
-    """What one render may spend: loop steps, wall time and output characters."""
-
-    def __init__(self, max_chars: int = MAX_RENDER_CHARS, steps: int = MAX_LOOP_STEPS,
-                 seconds: float = MAX_RENDER_SECONDS):
-        self.max_chars = max_chars
-        self.steps_left = steps
-        self.steps = steps
-        self.seconds = seconds
-        self.deadline = time.monotonic() + seconds
-
-    def charge(self, n: int) -> None:
-        self.steps_left -= n
-        if self.steps_left < 0:
-            raise RenderLimit(f"loops and range() ran more than {self.steps} steps")
-        if time.monotonic() > self.deadline:
-            raise RenderLimit(f"the render ran longer than {self.seconds:g} s")
-
-    def check_size(self, n: int, what: str = "the rendered prompt") -> None:
-        if n > self.max_chars:
-            raise RenderLimit(f"{what} would be {n} characters, over {self.max_chars}")
-
-
-_BUDGET: contextvars.ContextVar[RenderBudget | None] = contextvars.ContextVar("dlbatch_render_budget", default=None)
-_LOOP_GUARD = "dlbatch loop guard"  # a filter name no template can spell
-
-
-def _budget() -> RenderBudget:
-    budget = _BUDGET.get()
-    return budget if budget is not None else RenderBudget()  # outside a render: bounds each loop alone
-
-
-def _loop_guard(iterable):
-    budget = _budget()
-    for item in iterable:
-        budget.charge(1)
-        yield item
-
-
-def _bounded_range(*args):
-    r = range(*args)
-    if len(r) > MAX_RANGE:
-        raise RenderLimit(f"range{args} has {len(r)} items, over {MAX_RANGE}")
-    _budget().charge(len(r))
-    return r
-
-
-def _check_arguments(args, kwargs) -> None:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_ARGUMENT:
-            raise RenderLimit(f"argument {a} is over {MAX_ARGUMENT}")
-
-
-def _check_format(fmt) -> None:
-    if isinstance(fmt, str) and _WIDE_FORMAT.search(fmt):
-        raise RenderLimit(f"format {fmt[:40]!r} has a width or precision over 6 digits")
-
-
-def _bounded_filter(name: str, f):
-    skip = 2 if getattr(f, "jinja_pass_arg", None) is not None else 1  # (context,) value, then arguments
-
-    @functools.wraps(f)
-    def bounded(*args, **kwargs):
-        _check_arguments(args[skip:], kwargs)
-        if name == "format":
-            _check_format(args[skip - 1])
-        return f(*args, **kwargs)
-    return bounded
-
-
-def _size(value) -> int | None:
-    return len(value) if isinstance(value, (str, list, tuple)) else None
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The sandbox with the render bounds: guarded loops, a bounded ``range``, and the
-    operators and calls that can build a huge value checked before they run."""
-
-    intercepted_binops = frozenset({"*", "**", "%"})
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.globals["range"] = _bounded_range
-        self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
-        self.filters[_LOOP_GUARD] = _loop_guard
-
-    def _parse(self, source, name, filename):
-        tree = super()._parse(source, name, filename)
-        for loop in tree.find_all(nodes.For):
-            loop.iter = nodes.Filter(loop.iter, _LOOP_GUARD, [], [], None, None, lineno=loop.lineno)
-        return tree
-
-    def call_binop(self, context, operator, left, right):
-        if operator == "*":
-            for seq, n in ((left, right), (right, left)):
-                if _size(seq) is not None and isinstance(n, int):
-                    _budget().check_size(_size(seq) * n, f"{type(seq).__name__} * {n}")
-        elif operator == "**" and isinstance(left, int) and isinstance(right, int):
-            if abs(left) > 1 and right > 1000:
-                raise RenderLimit(f"{left} ** {right} is too large")
-        elif operator == "%":
-            _check_format(left)
-        return super().call_binop(context, operator, left, right)
-
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
-        _check_arguments(args, kwargs)
-        if getattr(__obj, "__name__", "") in ("format", "format_map"):  # str.format's receiver is the format
-            _check_format(getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None))
-        return super().call(__context, __obj, *args, **kwargs)
-
-
 def _environment() -> ImmutableSandboxedEnvironment:
     # keep_trailing_newline: a prompt is rendered exactly as written.
     # autoescape off: prompts are plain text, not HTML.
-    return _Sandbox(
+    return Sandbox(
         undefined=StrictUndefined,
         autoescape=False,
         keep_trailing_newline=True,
@@ -314,15 +189,16 @@ def compile_messages(name: str, source: str) -> Callable[[Mapping[str, Any]], li
         raise TemplateError(name, f"messages expression syntax error: {e.message}") from None
 
     def render(doc: Mapping[str, Any]) -> list[dict]:
-        token = _BUDGET.set(RenderBudget())
+        context = document_context(doc)
         try:
-            value = expr(**document_context(doc))
+            with bounded(budget_for(context)):
+                value = expr(**context)
         except UndefinedError as e:
             raise TemplateError(name, f"messages uses an undefined value: {e}") from None
         except (SecurityError, RenderLimit, jinja2.TemplateError, TypeError, ValueError, LookupError) as e:
             raise TemplateError(name, f"messages failed: {type(e).__name__}: {e}") from None
-        finally:
-            _BUDGET.reset(token)
+        except MemoryError:
+            raise TemplateError(name, "messages ran out of memory (MemoryError)") from None
         if isinstance(value, jinja2.Undefined):
             raise TemplateError(name, f"messages uses an undefined value: {m.group(1).strip()!r}")
         return chat_messages(name, value)
@@ -370,19 +246,14 @@ def _private_names(ast: nodes.Template) -> list[str]:
 
 
 def _render_bounded(template: jinja2.Template, context: Mapping[str, Any]) -> str:
-    """Render under a fresh :class:`RenderBudget` sized from the context's text."""
-    text = sum(len(v) for k, v in context.items() if k in ("text", "notes") and isinstance(v, str))
-    budget = RenderBudget(max_chars=MAX_RENDER_CHARS + 4 * text)
-    token = _BUDGET.set(budget)
-    try:
+    """Render under a fresh budget sized from the context (`dlbatch.prompts.sandbox.budget_for`)."""
+    with bounded(budget_for(context)) as budget:
         out, size = [], 0
         for piece in template.generate(context):
             size += len(piece)
             budget.check_size(size)
             out.append(piece)
         return "".join(out)
-    finally:
-        _BUDGET.reset(token)
 
 
 def _render(name: str, template: jinja2.Template, context: dict) -> str:
@@ -392,6 +263,8 @@ def _render(name: str, template: jinja2.Template, context: dict) -> str:
         raise TemplateError(name, f"prompt template goes past a render bound: {e}") from None
     except RecursionError:
         raise TemplateError(name, "prompt template recursed too deeply") from None
+    except MemoryError:
+        raise TemplateError(name, "prompt template ran out of memory (MemoryError) past the render bounds") from None
     except SecurityError as e:
         raise TemplateError(name, f"prompt template is not allowed to do this: {e}") from None
     except UndefinedError as e:
@@ -423,8 +296,9 @@ def check_template(name: str, prompt: str, allowed: Iterable[str] = TEMPLATE_VAR
     """:func:`validate_template`, then one render against :data:`SAMPLE_CONTEXT` (the
     ``allowed`` names of it): a template that reaches an undefined or unsafe value or goes
     past a render bound there is refused with a :class:`TemplateError` naming it, and so is
-one that reads an attribute or item whose name starts with ``_``. Other
-    failures depend on the document and are that document's task error at run time."""
+one that reads an attribute or item whose name starts with ``_``, or that runs out of
+    memory (MemoryError). Other failures depend on the document and are that document's
+    task error at run time."""
     allowed = tuple(allowed)
     template = validate_template(name, prompt, allowed, columns)
     private = sorted(_private_names(_ENV.parse(prompt)), key=prompt.find)
@@ -440,11 +314,14 @@ one that reads an attribute or item whose name starts with ``_``. Other
         _render_bounded(template, context)
     except RenderLimit as e:
         raise TemplateError(name, f"prompt template goes past a render bound on a sample document: {e}") from None
+    except MemoryError:
+        raise TemplateError(name, "prompt template ran out of memory (MemoryError) on a sample document, within "
+                                  "the render bounds (dlbatch/prompts/sandbox.py)") from None
     except RecursionError:
         raise TemplateError(name, "prompt template recursed too deeply on a sample document") from None
     except (SecurityError, UndefinedError) as e:
         raise TemplateError(name, f"prompt template fails on a sample document: {e}") from None
-    except Exception:
+    except Exception:  # noqa: BLE001 - depends on the document (a type, a missing key): its task error at run time
         pass
     return template
 

@@ -244,9 +244,9 @@ class _SenderState(BufferPool[_Buf]):
         multiprocessing.util.Finalize(self, _SenderState.shutdown, args=(self,), exitpriority=10)
 
     def endpoint(self, ip: str, allow_network: bool = False):
+        check_listen_address(ip, allow_network)  # first, also for a cached endpoint: the caller's opt-in decides
         import dlslime
 
-        check_listen_address(ip, allow_network)  # also for a cached endpoint: the caller's opt-in decides
         with self.lock:
             ep = self.endpoints.get(ip)
             if ep is None:
