@@ -5,7 +5,10 @@ Layout under the output path:
     _manifest.json             the job that writes the folder: its fingerprint (a rerun with
                                other settings is refused), its fields (``output.format`` when
                                not parquet), the inputs' digest, ``complete``   (files.py)
-    _lease/<n>.json            the lease of the one writer                      (lease.py)
+    _lease/<n>.json            the lease of the one writer; <n>: its generation (lease.py,
+                               identity.py)
+    _fence.json, _orphans/     the fence of lease generations; parts committed after a
+                               takeover by the holder taken over, moved aside   (fence.py)
     _sources.parquet           each input's content version when last listed   (files.py)
     _report.json/.html/.png    the run report                                   (files.py)
     _tmp/                      whole-file writes before their rename            (files.py)

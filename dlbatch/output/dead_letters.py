@@ -4,13 +4,13 @@ A dead letter is a row of `dlbatch.records.ERROR_COLUMNS` (doc_id, source, task,
 error_type, error; task None: the whole document failed). They are Parquet parts in the
 output's ``_errors/`` folder (a `PartsFolder`), whatever the format of the result rows:
 
-    _errors/part-<run tag>-<hash of their keys>.parquet   a flush of dead letters only
-    _errors/<name of the commit that carried them>        the readers' copy of dead letters
-                                                          committed with result rows (the
-                                                          Parquet store's part, the Delta
-                                                          store's transaction)
+    _errors/part-g<gen>-<run tag>-<hash of their keys>.parquet   a flush of dead letters only
+                                    (``gen``: its lease generation, dlbatch/output/fence.py)
+    _errors/<name of the commit that carried them>   the readers' copy of dead letters
+                                    committed with result rows (the Parquet store's part,
+                                    the Delta store's transaction)
     _errors/_compact/, _errors/_tmp/, _errors/_pending/   merges in progress, temporaries,
-                                                          the Delta store's pending files
+                                    the Delta store's pending files
 
 Invariants: a flush of dead letters only is one atomic part; retried with the same rows, or
 with more after an attempt that raised, each row is committed once (`drop_landed`); a
@@ -53,8 +53,8 @@ class DeadLetters:
         rows = self.drop_landed(rows)
         if not rows:
             return None
-        return self.parts.write(error_table(rows), part_name(self.run_tag, [error_key(r) for r in rows]),
-                                remember=True)
+        name = part_name(self.run_tag, [error_key(r) for r in rows], self.parts.files.generation)
+        return self.parts.write(error_table(rows), name, remember=True)
 
     def copy(self, table, name: str, *, remember: bool = True) -> str:
         """The readers' copy of dead letters committed elsewhere (with result rows), as ``name``.

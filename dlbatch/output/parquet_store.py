@@ -12,10 +12,15 @@ appears whole when its single PUT/copy completes). A rerun reads the committed p
 skips every document already there, so each (document, task) appears exactly once.
 
 Layout (the folder's own records, the lease and ``_errors/``: dlbatch/output/__init__.py):
-    part-<ms>-<run tag>-<hash of its (doc_id, task) keys>[-e].parquet result rows (-e: dead letters in its footer)
-    part-c<hash>.parquet           a merged part (dlbatch/output/compaction.py)
+    part-g<gen>-<ms>-<run tag>-<hash of its (doc_id, task) keys>[-e].parquet
+                                   result rows (-e: dead letters in its footer); ``gen``: the
+                                   generation of the lease they were committed under (``part-``
+                                   and no ``g<gen>`` when committed without a lease)
+    part-g<gen>-c<hash>.parquet    a merged part (dlbatch/output/compaction.py)
     _index/<part name>             the part's (doc_id, source, task, tokens): its index
     _compact/<merged part>.json    a merge in progress
+    _fence.json, _orphans/         the fence of lease generations, the parts it ruled out
+                                   (dlbatch/output/fence.py)
 
 One commit per flush of complete documents (`commit`): the result rows and the dead-letter
 rows of the documents it holds land together or not at all. The dead letters travel inside
@@ -28,6 +33,11 @@ Exactly once through commit errors: a part's name is fixed by its rows, so retry
 rows finds the identical file and skips; a lost reply to the rename is detected by the sink
 (the file is there with our bytes); and when a commit raised anyway, the parts folder
 remembers it and, before the next commit, the rows that part holds are dropped if it landed.
+
+Fenced commits: every rename re-reads the lease immediately before it; a part that a
+process renamed into place after it lost the lease anyway is an orphan, never counted and
+moved aside (dlbatch/output/fence.py). Before it reads progress or commits, a holder raises
+the fence to its generation (`OutputFiles.fence_up`).
 
 Resume cost: progress comes from the index files (a few columns, never the output text),
 read in parallel; a part without an index (crash between the two writes) is read for its
@@ -85,6 +95,7 @@ class ParquetStore:
     def progress(self, tasks: set[str] | None = None) -> dict:
         """`committed_progress` of the index files and the dead letters (those of parts whose
         ``_errors/`` copy a crash lost included)."""
+        self.files.fence_up()
         pending = [t for _, t in self.pending_error_copies()]
         return committed_progress(self.index(), with_pending(self.errors(), pending), tasks)
 
@@ -94,11 +105,13 @@ class ParquetStore:
         land together (one part; its dead letters in its footer) or not at all.
         ``extra_fields``: pyarrow fields appended to the schema (dlbatch/prompts/structured.py
         `result_fields`: valid, output_error, one typed `<task>_json` per JSON-schema task)."""
+        self.files.before_commit()
         rows, errors = self._drop_landed(rows, errors)
         if not rows:
             return self.dead.commit(errors) if errors else None
         table = result_table(rows, include_text, extra_fields, self.keep_columns)
-        name = part_name(self.run_tag, [result_key(r) for r in rows] + [error_key(r) for r in errors])
+        keys = [result_key(r) for r in rows] + [error_key(r) for r in errors]
+        name = part_name(self.run_tag, keys, self.files.generation)
         if errors:
             etable = error_table(errors)
             meta = dict(table.schema.metadata or {})
@@ -112,7 +125,11 @@ class ParquetStore:
         return url
 
     def commit_errors(self, rows: list[dict]) -> str | None:
+        self.files.before_commit()
         return self.dead.commit(rows)
+
+    def orphans(self) -> list[str]:
+        return self.files.sweep_orphans()
 
     def _drop_landed(self, rows: list[dict], errors: list[dict]) -> tuple[list[dict], list[dict]]:
         """``rows`` and ``errors`` without those that earlier commits which raised did commit
@@ -151,7 +168,9 @@ class ParquetStore:
     # ---- changing what is committed -------------------------------------------------------------
     def recover(self) -> dict:
         """Before a resume reads progress: write the ``_errors/`` copies a crash lost, finish
-        or drop interrupted merges (of the results, then of the dead letters)."""
+        or drop interrupted merges (of the results, then of the dead letters). A holder raises
+        the fence first, so nothing a process that lost the lease renames later is finished."""
+        self.files.fence_up()
         copies = self.pending_error_copies()
         for name, t in copies:
             self.dead.copy(t, name)

@@ -35,8 +35,13 @@ def new_run_tag() -> str:
     return f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
 
 
-def part_name(run_tag: str, keys) -> str:
-    return f"part-{run_tag}-{keys_digest(keys)}.parquet"
+def part_name(run_tag: str, keys, gen: int | None = None) -> str:
+    """The name of a part of rows with ``keys``: ``part-g<gen>-<run tag>-<hash>.parquet`` when
+    committed under a lease of generation ``gen`` (its fencing token, dlbatch/output/fence.py),
+    ``part-<run tag>-<hash>.parquet`` without a lease."""
+    from dlbatch.output.fence import part_prefix
+
+    return f"{part_prefix(gen) if gen is not None else 'part-'}{run_tag}-{keys_digest(keys)}.parquet"
 
 
 def error_table(rows: list[dict]):
