@@ -14,7 +14,8 @@ Layout under the output path:
     _tmp/                      whole-file writes before their rename            (files.py)
     _errors/                   dead letters, whatever the format               (dead_letters.py)
     part-*.parquet, _index/, _compact/    the result rows as Parquet parts     (parquet_store.py,
-                                                                            parts.py, compaction.py)
+                                          parts.py, compaction.py; kept input columns typed by
+                                          kept_columns.py)
     _delta_log/, part-*.parquet           ... or as a Delta table              (delta_store.py)
     results.jsonl, errors.jsonl           ``output.format: openai_batch``: written from the
                                           committed rows when a run completes (openai_export.py)

@@ -69,6 +69,7 @@ import time
 from dlbatch.output.compaction import COMPACT_MIN_PARTS, COMPACT_TARGET_BYTES
 from dlbatch.output.dead_letters import ERRORS_DIR, DeadLetters
 from dlbatch.output.files import MANIFEST, OutputFiles
+from dlbatch.output.kept_columns import KeptColumns
 from dlbatch.output.lease import LeaseLost
 from dlbatch.output.parts import PartsFolder
 from dlbatch.output.progress import committed_progress, with_pending
@@ -151,6 +152,7 @@ class DeltaStore:
         self._dl = _deltalake()
         self.files = files if isinstance(files, OutputFiles) else OutputFiles(files, storage_options)
         self.keep_columns = keep_columns  # output.keep_columns: input columns appended to result rows
+        self.kept = KeptColumns(keep_columns) if keep_columns else None
         self.run_tag = new_run_tag()
         self.dead = DeadLetters(self.files, self.run_tag)
         self.pending = PartsFolder(self.files, PENDING_DIR)  # one file per transaction with dead letters
@@ -230,9 +232,13 @@ class DeltaStore:
         self.fence_up()
         self.files.before_commit()
         rows, errors = self._without_landed_txns(rows, errors)
+        kept = None
+        if self.kept is not None:
+            skip = result_schema(include_text, extra_fields).names
+            rows, errors, kept = self.kept.fit(rows, errors, skip, lambda: _schema(self.table()))
         if not rows:
             return self.dead.commit(errors) if errors else None
-        table = result_table(rows, include_text, extra_fields, self.keep_columns)
+        table = result_table(rows, include_text, extra_fields, kept)
         self._seq += 1
         version = self._seq
         try:

@@ -39,6 +39,9 @@ process renamed into place after it lost the lease anyway is an orphan, never co
 moved aside (dlbatch/output/fence.py). Before it reads progress or commits, a holder raises
 the fence to its generation (`OutputFiles.fence_up`).
 
+Kept input columns (``output.keep_columns``) have one type per column for the whole output;
+a document whose value does not fit is its dead letter (dlbatch/output/kept_columns.py).
+
 Resume cost: progress comes from the index files (a few columns, never the output text),
 read in parallel; a part without an index (crash between the two writes) is read for its
 index columns instead. Compaction merges many small parts into a few large ones.
@@ -52,10 +55,11 @@ from dlbatch.output.compaction import (COMPACT_MIN_PARTS, COMPACT_TARGET_BYTES, 
                                        Compaction)
 from dlbatch.output.dead_letters import DeadLetters
 from dlbatch.output.files import OutputFiles
+from dlbatch.output.kept_columns import KeptColumns
 from dlbatch.output.parts import COMPACT_DIR, ERRORS_META, INDEX_DIR, PartsFolder
 from dlbatch.output.progress import committed_progress, with_pending
 from dlbatch.output.rows import error_key, error_table, new_run_tag, not_from, part_name, result_key, result_table
-from dlbatch.records import INDEX_COLUMNS
+from dlbatch.records import INDEX_COLUMNS, result_schema
 
 log = logging.getLogger("dlbatch.output.parquet_store")
 
@@ -74,6 +78,7 @@ class ParquetStore:
         """``files``: the output folder (an `OutputFiles`, with its lease) or its URL."""
         self.files = files if isinstance(files, OutputFiles) else OutputFiles(files, storage_options)
         self.keep_columns = keep_columns  # output.keep_columns: input columns appended to result rows
+        self.kept = KeptColumns(keep_columns) if keep_columns else None
         self.run_tag = new_run_tag()
         self.parts = PartsFolder(self.files, "", index_columns=INDEX_COLUMNS)
         self.dead = DeadLetters(self.files, self.run_tag)
@@ -107,9 +112,10 @@ class ParquetStore:
         `result_fields`: valid, output_error, one typed `<task>_json` per JSON-schema task)."""
         self.files.before_commit()
         rows, errors = self._drop_landed(rows, errors)
+        rows, errors, kept = self._fit_kept(rows, errors, include_text, extra_fields)
         if not rows:
             return self.dead.commit(errors) if errors else None
-        table = result_table(rows, include_text, extra_fields, self.keep_columns)
+        table = result_table(rows, include_text, extra_fields, kept)
         keys = [result_key(r) for r in rows] + [error_key(r) for r in errors]
         name = part_name(self.run_tag, keys, self.files.generation)
         if errors:
@@ -130,6 +136,25 @@ class ParquetStore:
 
     def orphans(self) -> list[str]:
         return self.files.sweep_orphans()
+
+    def _fit_kept(self, rows: list[dict], errors: list[dict], include_text: bool, extra_fields):
+        """(rows, errors, kept columns): the documents whose kept columns do not fit the
+        output's types become dead letters (`KeptColumns`); types from the first committed part."""
+        if self.kept is None:
+            return rows, errors, None
+        return self.kept.fit(rows, errors, result_schema(include_text, extra_fields).names, self._committed_schema)
+
+    def _committed_schema(self):
+        """The schema of the first committed part (None: nothing committed)."""
+        import pyarrow.parquet as pq
+
+        from connectors.io_retry import call_with_retry
+
+        parts = self.parts.parts()
+        if not parts:
+            return None
+        with call_with_retry(self.files.fs.open, parts[0], "rb", op=f"open {parts[0]}") as f:
+            return pq.read_schema(f)
 
     def _drop_landed(self, rows: list[dict], errors: list[dict]) -> tuple[list[dict], list[dict]]:
         """``rows`` and ``errors`` without those that earlier commits which raised did commit
