@@ -9,7 +9,8 @@ Layout under the output path:
                                identity.py)
     _fence.json, _orphans/     the fence of lease generations; parts committed after a
                                takeover by the holder taken over, moved aside   (fence.py)
-    _sources.parquet           each input's content version when last listed   (files.py)
+    _sources.arrow             each input's content version when last listed   (files.py; an
+                               output written before keeps ``_sources.parquet`` until then)
     _report.json/.html/.png    the run report                                   (files.py)
     _tmp/                      whole-file writes before their rename            (files.py)
     _errors/                   dead letters, whatever the format               (dead_letters.py)

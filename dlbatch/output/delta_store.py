@@ -5,7 +5,7 @@ itself (its ``_delta_log/`` and data files ``part-*.parquet``), written with the
 ``deltalake`` package (delta-rs). A sibling of the Parquet store, not a kind of it: what the
 two share they hold, not inherit — the folder and its lease (`OutputFiles`), the dead
 letters (`DeadLetters`, ``_errors/``). Everything else lives in names starting with ``_``
-that Delta readers skip: the lease (``_lease/``), ``_manifest.json``, ``_sources.parquet``
+that Delta readers skip: the lease (``_lease/``), ``_manifest.json``, ``_sources.arrow``
 and the report.
 
 Exactly once. One flush of complete documents is one Delta transaction (an append). It
@@ -237,7 +237,7 @@ class DeltaStore:
             skip = result_schema(include_text, extra_fields).names
             rows, errors, kept = self.kept.fit(rows, errors, skip, lambda: _schema(self.table()))
         if not rows:
-            return self.dead.commit(errors) if errors else None
+            return self.commit_errors(errors) if errors else None
         table = result_table(rows, include_text, extra_fields, kept)
         self._seq += 1
         version = self._seq
@@ -250,12 +250,15 @@ class DeltaStore:
             raise
         if errors:
             self._publish(_txn_name(self.app_id, version))
+        self.dead.ensure_readable()
         return self.files.url
 
     def commit_errors(self, rows: list[dict]) -> str | None:
         self.fence_up()
         self.files.before_commit()
-        return self.dead.commit(rows)
+        url = self.dead.commit(rows)
+        self.dead.ensure_readable()
+        return url
 
     def orphans(self) -> list[str]:
         return self.files.sweep_orphans()

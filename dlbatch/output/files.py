@@ -5,7 +5,7 @@ filesystem (its ``${env:NAME}`` credentials read here), the lease of the one wri
 fence of its generation (dlbatch/output/fence.py), durable whole-file writes (`write_file`:
 temp file, fsync, rename, the folder synced), and the records every format keeps beside its
 rows: the manifest (``_manifest.json``: the job's fingerprint, its ``output.format``,
-``complete``), the input versions (``_sources.parquet``) and the report (``_report.*``).
+``complete``), the input versions (``_sources.arrow``) and the report (``_report.*``).
 
 Fenced writes. Every change checks the lease first (`guard`: re-read when the last reading
 started more than a heartbeat ago), and every rename that makes a file visible re-reads it
@@ -13,6 +13,11 @@ immediately before (`before_rename`), so a process that lost the lease renames n
 after it noticed; what a pause between that reading and the rename still lets through is
 the fence's to catch. A store asks `fence_up` before it reads progress or changes rows: the
 holder's first call raises the fence to its generation.
+
+No bookkeeping file matches ``*.parquet`` at the top of the output, so the natural glob
+``read_parquet('<out>/*.parquet')`` reads result rows only: the input versions are an Arrow
+IPC file (``_sources.arrow``; an output written before keeps its ``_sources.parquet``, read
+until the next write replaces it).
 
 It knows no store's layout: `clear` deletes those records, the temporaries (``_tmp/``) and
 the files the calling store names as its own, and nothing else — so two stores of one
@@ -28,9 +33,10 @@ from typing import Callable
 from dlbatch.output.fence import FENCE_FILE, ORPHANS_DIR, Fence
 
 MANIFEST = "_manifest.json"  # the job that writes the folder: fingerprint, fields (output.format), complete
-SOURCES_FILE = "_sources.parquet"  # each input's version when last listed (connectors.versions)
+SOURCES_FILE = "_sources.arrow"  # each input's version when last listed (connectors.versions)
+OLD_SOURCES_FILE = "_sources.parquet"  # ... as outputs written before kept them
 TMP_DIR = "_tmp"  # whole-file writes before their rename
-RECORDS = (MANIFEST, SOURCES_FILE, FENCE_FILE, "_report.json", "_report.html", "_report.png")
+RECORDS = (MANIFEST, SOURCES_FILE, OLD_SOURCES_FILE, FENCE_FILE, "_report.json", "_report.html", "_report.png")
 
 
 class OutputFiles:
@@ -174,24 +180,29 @@ class OutputFiles:
     def read_sources(self) -> dict[str, list]:
         """{source: [stat key or None, version]} recorded when the inputs were last listed."""
         from connectors.io_retry import call_with_retry
-        from connectors.sink import read_parquet_bytes
 
-        p = self.path(SOURCES_FILE)
-        if not call_with_retry(self.fs.exists, p, op=f"exists {p}"):
-            return {}
-        t = read_parquet_bytes(call_with_retry(self.fs.cat_file, p, op=f"read {p}")).to_pydict()
-        return {s: [k, v] for s, k, v in zip(t["source"], t["stat"], t["version"])}
+        for name in (SOURCES_FILE, OLD_SOURCES_FILE):
+            p = self.path(name)
+            if call_with_retry(self.fs.exists, p, op=f"exists {p}"):
+                t = _read_table(call_with_retry(self.fs.cat_file, p, op=f"read {p}"), name).to_pydict()
+                return {s: [k, v] for s, k, v in zip(t["source"], t["stat"], t["version"])}
+        return {}
 
     def write_sources(self, sources: dict[str, list]) -> None:
+        """The input versions as an Arrow IPC file (``_sources.arrow``); the old Parquet copy
+        of an earlier output, when there is one, removed after."""
         import pyarrow as pa
-
-        from connectors.sink import table_to_parquet_bytes
 
         names = sorted(sources)
         t = pa.table({"source": pa.array(names, pa.string()),
                       "stat": pa.array([sources[n][0] for n in names], pa.string()),
                       "version": pa.array([sources[n][1] for n in names], pa.string())})
-        self.write_file(SOURCES_FILE, table_to_parquet_bytes(t))
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, t.schema) as w:
+            w.write_table(t)
+        self.write_file(SOURCES_FILE, sink.getvalue().to_pybytes())
+        if self.exists(OLD_SOURCES_FILE):
+            self.rm(self.path(OLD_SOURCES_FILE))
 
     def clear(self, ours: Callable[[str], bool]) -> int:
         """--fresh: delete the records (manifest, report, input versions, fence), the temporaries,
@@ -211,3 +222,13 @@ class OutputFiles:
             self._fenced = self.generation
         return n
 
+
+def _read_table(data: bytes, name: str):
+    """The input versions' table from the bytes of ``name`` (Arrow IPC, or an earlier Parquet)."""
+    import pyarrow as pa
+
+    from connectors.sink import read_parquet_bytes
+
+    if name.endswith(".parquet"):
+        return read_parquet_bytes(data)
+    return pa.ipc.open_file(pa.BufferReader(data)).read_all()

@@ -114,7 +114,7 @@ class ParquetStore:
         rows, errors = self._drop_landed(rows, errors)
         rows, errors, kept = self._fit_kept(rows, errors, include_text, extra_fields)
         if not rows:
-            return self.dead.commit(errors) if errors else None
+            return self.commit_errors(errors) if errors else None
         table = result_table(rows, include_text, extra_fields, kept)
         keys = [result_key(r) for r in rows] + [error_key(r) for r in errors]
         name = part_name(self.run_tag, keys, self.files.generation)
@@ -128,11 +128,14 @@ class ParquetStore:
         self.parts.write_index(name, table)
         if errors:  # the copy readers use; `recover` rewrites it when a crash lost it
             self.dead.copy(etable, name)
+        self.dead.ensure_readable()
         return url
 
     def commit_errors(self, rows: list[dict]) -> str | None:
         self.files.before_commit()
-        return self.dead.commit(rows)
+        url = self.dead.commit(rows)
+        self.dead.ensure_readable()
+        return url
 
     def orphans(self) -> list[str]:
         return self.files.sweep_orphans()
