@@ -8,6 +8,7 @@ that stops itself (SIGSTOP) right after its last check before a rename or a Delt
 a seeded commit (the seed is printed), is taken over, and is resumed."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -143,11 +144,22 @@ def test_a_rename_rereads_the_lease_even_right_after_a_check(tmp_path):
     new.release()
 
 
-def test_orphans_are_not_counted_by_status_or_compaction_and_fresh_rules_out_older_generations(tmp_path):
+def _status(out, src, capsys, *flags):
+    from dlbatch.cli.main import main
+
+    sets = [f"input.path={src}", "input.id_field=id", f"output.path={out}"]
+    assert main(["status", "jobs/papers_jsonl.yaml", *flags, *[a for s in sets for a in ("--set", s)]]) == 0
+    text = capsys.readouterr().out
+    return json.loads(text) if flags else text
+
+
+def test_orphans_are_not_counted_by_status_or_compaction_and_fresh_rules_out_older_generations(tmp_path, capsys):
     """A part of an older generation that appears after the fence (a late rename): dlbatch's
     readers skip it, compaction does not merge it, status names it; after --fresh no part of
     an older generation counts."""
     out = tmp_path / "out"
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"d{i}", "text": f"document {i}"}) + "\n" for i in range(4)))
     a = ParquetStore(str(out))
     a.files.take_lease("j", stale_s=60, heartbeat_s=20)
     a.progress()
@@ -160,7 +172,13 @@ def test_orphans_are_not_counted_by_status_or_compaction_and_fresh_rules_out_old
     a.files.lease._confirm = lambda: True  # the old holder's rename lands after the takeover
     a.commit(late, [], False)
     assert b.progress()["rows"] == 2 and len(ParquetStore(str(out)).results()) == 2  # not counted
+    st = _status(out, src, capsys, "--json")
+    assert (st["rows"], st["duplicate_rows"]) == (2, 0)  # the orphan's rows not counted
+    assert (st["orphan_parts_moved"], st["orphan_parts_in_place"]) == (0, 1)
+    assert "0 moved to _orphans/, 1 still in place" in _status(out, src, capsys)
     b.commit(doc_rows("d2"), [], False)
+    st = _status(out, src, capsys, "--json")
+    assert (st["orphan_parts_moved"], st["orphan_parts_in_place"], st["rows"]) == (1, 0, 4)
     assert b.compact(min_parts=0)["merged_parts"] == 2  # d0 and d2, never the orphan
     assert sorted({r["doc_id"] for r in b.results().to_pylist()}) == ["d0", "d2"]
     assert b.files.fence.moved and all(m.startswith("part-g000001-") for m in b.files.fence.moved)

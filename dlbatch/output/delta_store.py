@@ -314,7 +314,8 @@ class DeltaStore:
                 self._fenced_out(self.table())  # rejected by a newer holder's fence: final
                 if attempt == COMMIT_ATTEMPTS - 1:
                     raise
-                log.warning("Delta commit %s v%s failed (%s: %s); retrying", self.app_id, version, type(e).__name__, e)
+                what = f"commit {self.app_id} v{version}" if version is not None else f"fence of generation {gen}"
+                log.warning("Delta %s failed (%s: %s); retrying", what, type(e).__name__, e)
                 time.sleep(0.5 * 2 ** attempt)
 
     def _write(self, dt, table, props) -> None:
