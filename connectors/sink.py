@@ -75,7 +75,7 @@ def _check_filename(filename: str) -> None:
 
 
 def write_parquet_atomic(table, dest_dir_url: str, filename: str, storage_options: dict | None = None,
-                         *, on_conflict: str = "error", compression: str = "zstd") -> str:
+                         *, on_conflict: str = "error", compression: str = "zstd", before_rename=None) -> str:
     """Commit ``table`` as ``dest_dir_url/filename``; returns the committed file's URL."""
     _check_filename(filename)
     if on_conflict not in ("error", "overwrite"):
@@ -103,6 +103,8 @@ def write_parquet_atomic(table, dest_dir_url: str, filename: str, storage_option
     call_with_retry(fs.makedirs, tmp_dir, exist_ok=True, op=f"makedirs {tmp_dir}")
     call_with_retry(write_durable, fs, tmp, data, op=f"write {tmp}")
     try:
+        if before_rename is not None:
+            before_rename()
         call_with_retry(fs.mv, tmp, final, op=f"commit {final}")
         sync_dir(fs, root)
     except OSError as exc:

@@ -13,7 +13,7 @@ generation or version id, with the size (``connectors.listing._version``); a dir
 
 ``input_versions(files, storage_options, cache)`` returns ``{url: [stat key or None,
 version]}``, which is also the cache the caller keeps for the next run (the output store's
-``_sources.parquet``).
+``_sources.arrow``).
 """
 from __future__ import annotations
 

@@ -12,18 +12,11 @@ import pytest
 from dlbatch.output.lease import LEASE_DIR, LeaseHeld, LeaseLost, OutputLease
 from dlbatch.output.dead_letters import ERRORS_DIR
 from dlbatch.output.parquet_store import ParquetStore
+from tests.helpers.lease_holder import age_lease
 
 ROW = {"doc_id": "d1", "source": "a.pdf", "output": "x", "prompt_tokens": 3, "output_tokens": 1}
 ERR = {"doc_id": "d1", "source": "a.pdf", "task": "keywords", "stage": "generate", "error_type": "ConstraintError",
        "error": "no valid output"}
-
-
-class Clock:
-    def __init__(self, t=1_000_000.0):
-        self.t = t
-
-    def __call__(self):
-        return self.t
 
 
 def _lease(out, job="j", **kw):
@@ -47,15 +40,15 @@ def test_a_second_writer_is_refused_with_the_holder_named(tmp_path):
 
 
 def test_a_stale_lease_is_taken_over_and_its_old_holder_commits_nothing_more(tmp_path):
-    clock = Clock()
     old = ParquetStore(str(tmp_path))
-    old.files.take_lease("j", clock=clock, stale_s=60, heartbeat_s=20)
+    old.files.take_lease("j", stale_s=60, heartbeat_s=20)
     old.commit([{**ROW, "task": "summary"}], [], False)
-    clock.t += 30  # heartbeat 30 s old: still held
+    age_lease(tmp_path, 30)  # heartbeat 30 s old: still held
     with pytest.raises(LeaseHeld):
-        _lease(tmp_path, clock=clock, stale_s=60).acquire()
-    clock.t += 31  # 61 s without a heartbeat: stale
-    new = _lease(tmp_path, clock=clock, stale_s=60).acquire()
+        _lease(tmp_path, stale_s=60).acquire()
+    age_lease(tmp_path, 31)  # 61 s without a heartbeat: stale
+    new = _lease(tmp_path, stale_s=60).acquire()
+    old.files.lease._verified -= 61  # the old holder's own time moved on as well
     assert new.taken_over["owner"] == old.files.lease.token
     with pytest.raises(LeaseLost, match="taken over"):
         old.commit([{**ROW, "doc_id": "d2", "task": "summary"}], [], False)

@@ -159,6 +159,10 @@ def cmd_status(args) -> int:
         print(f"  documents: {st['docs_done']} done, {st['docs_failed']} failed, {st['docs_pending']} pending "
               f"(of {st['docs_total']})")
         print(f"  rows: {st['rows']}   tokens: {st['prompt_tokens']} prompt, {st['output_tokens']} output")
+        if st["orphan_parts_moved"] or st["orphan_parts_in_place"]:
+            print(f"  orphan parts (committed by a process after it lost the lease; not counted): "
+                  f"{st['orphan_parts_moved']} moved to _orphans/, {st['orphan_parts_in_place']} still in place "
+                  f"(plain readers see them until the next run's commit moves them)")
         print(f"  state: {_state(st)}")
     return EXIT_OK
 
@@ -188,6 +192,7 @@ def cmd_compact(args) -> int:
         return EXIT_BUSY
     try:
         res = store.compact(min_parts=args.min_parts if args.min_parts is not None else 0)
+        moved = store.orphans()  # parts committed by a process after it lost the lease, moved aside
     except OSError as e:
         print(f"compaction failed: {type(e).__name__}: {e}; committed output under {spec.output.path} is intact "
               f"(rerun to finish)", file=sys.stderr)
@@ -195,7 +200,8 @@ def cmd_compact(args) -> int:
     finally:
         store.files.release_lease()
     print(f"{spec.output.path}: {res['merged_parts']} small parts merged into {res['parts_written']} "
-          f"({res['parts_before']} small parts before)")
+          f"({res['parts_before']} small parts before)"
+          + (f"; {len(moved)} orphan parts moved to _orphans/" if moved else ""))
     return EXIT_OK
 
 

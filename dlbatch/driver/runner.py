@@ -151,7 +151,7 @@ class JobRunner:
         if manifest and not manifest.get("complete") and prog["n_done"]:
             _warn_if_not_reproducible(config, prog["n_done"])
         if not todo:
-            report = report.finish(store, compaction=self._compact_output(store))
+            report = report.finish(store, compaction=self._compact_output(store), orphans=self._orphans(store))
             if openai_export.wanted(spec):
                 openai_export.export(spec, store)
             store.files.write_json("_manifest.json", {**store.files.read_json("_manifest.json"), "complete": True})
@@ -271,6 +271,21 @@ class JobRunner:
                 tally.metrics.worker_busy(role, i, st.get("busy_s", 0.0) / wall)
         return _Finish(self, report, tally, stats, loop, pools)
 
+    @staticmethod
+    def _orphans(store) -> dict:
+        """At the end of the run: parts a process committed after it lost this output's lease,
+        moved aside to ``_orphans/`` (`Store.orphans`); the report names them."""
+        try:
+            moved = store.orphans()
+        except OSError as e:
+            log.warning("could not look for orphan parts in %s: %s", store.files.url, brief(e))
+            return {"error": brief(e)}
+        if moved:
+            log.warning("%d parts committed by a process after it lost the lease of %s were moved aside to "
+                        "_orphans/ (their documents were redone): %s", len(moved), store.files.url,
+                        ", ".join(moved[:5]))
+        return {"count": len(moved), "parts": moved[:100]}
+
     def _compact_output(self, store) -> dict:
         """At job end: merge the small committed parts when more than compact_min_parts
         exist (`Store.compact`); a failure leaves the parts as they are and never fails
@@ -313,4 +328,4 @@ class _Finish:
         return self.report.finish(store, self.tally, stats=self.stats, router=self.router, dispatch=self.dispatch,
                                   retries=retries, compaction=self.runner._compact_output(store),
                                   long_inputs=self.long_inputs, kv_transport=self.kv_transport,
-                                  rdt_regroups=self.rdt_regroups)
+                                  rdt_regroups=self.rdt_regroups, orphans=self.runner._orphans(store))

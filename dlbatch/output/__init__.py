@@ -5,13 +5,18 @@ Layout under the output path:
     _manifest.json             the job that writes the folder: its fingerprint (a rerun with
                                other settings is refused), its fields (``output.format`` when
                                not parquet), the inputs' digest, ``complete``   (files.py)
-    _lease/<n>.json            the lease of the one writer                      (lease.py)
-    _sources.parquet           each input's content version when last listed   (files.py)
+    _lease/<n>.json            the lease of the one writer; <n>: its generation (lease.py,
+                               identity.py)
+    _fence.json, _orphans/     the fence of lease generations; parts committed after a
+                               takeover by the holder taken over, moved aside   (fence.py)
+    _sources.arrow             each input's content version when last listed   (files.py; an
+                               output written before keeps ``_sources.parquet`` until then)
     _report.json/.html/.png    the run report                                   (files.py)
     _tmp/                      whole-file writes before their rename            (files.py)
     _errors/                   dead letters, whatever the format               (dead_letters.py)
     part-*.parquet, _index/, _compact/    the result rows as Parquet parts     (parquet_store.py,
-                                                                            parts.py, compaction.py)
+                                          parts.py, compaction.py; kept input columns typed by
+                                          kept_columns.py)
     _delta_log/, part-*.parquet           ... or as a Delta table              (delta_store.py)
     results.jsonl, errors.jsonl           ``output.format: openai_batch``: written from the
                                           committed rows when a run completes (openai_export.py)

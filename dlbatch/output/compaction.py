@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 
+from dlbatch.output.fence import part_prefix
 from dlbatch.output.parts import COMPACT_DIR, ERRORS_META, INDEX_DIR
 
 log = logging.getLogger("dlbatch.output.compaction")
@@ -94,7 +95,9 @@ class Compaction:
         parts = self.parts
         names = [parts.name(p) for p in paths]
         key = "\n".join(names) + (f"\nkeep:{tag}" if keep is not None else "")
-        merged = f"part-c{hashlib.sha256(key.encode()).hexdigest()[:24]}.parquet"
+        gen = parts.files.generation  # a merged part carries the merging holder's fencing token
+        prefix = part_prefix(gen) if gen is not None else "part-"
+        merged = f"{prefix}c{hashlib.sha256(key.encode()).hexdigest()[:24]}.parquet"
         record = parts.write_record(f"{COMPACT_DIR}/{merged[:-len('.parquet')]}.json",
                                     {"merged": merged, "replaces": names})
         table = pa.concat_tables(parts.read(paths), promote_options="default")

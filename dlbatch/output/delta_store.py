@@ -5,7 +5,7 @@ itself (its ``_delta_log/`` and data files ``part-*.parquet``), written with the
 ``deltalake`` package (delta-rs). A sibling of the Parquet store, not a kind of it: what the
 two share they hold, not inherit — the folder and its lease (`OutputFiles`), the dead
 letters (`DeadLetters`, ``_errors/``). Everything else lives in names starting with ``_``
-that Delta readers skip: the lease (``_lease/``), ``_manifest.json``, ``_sources.parquet``
+that Delta readers skip: the lease (``_lease/``), ``_manifest.json``, ``_sources.arrow``
 and the report.
 
 Exactly once. One flush of complete documents is one Delta transaction (an append). It
@@ -23,6 +23,20 @@ snapshot remembers the highest version committed per ``app_id``. So:
 - a rerun after ``kill -9`` reads progress from the table's current snapshot: a document's
   rows are all there (its transaction is in the log) or none is; data files a dead commit
   left without a log entry are invisible to every Delta reader.
+
+Fenced by the log. Every transaction a lease holder commits (appends, deletes, optimize)
+also carries the application transaction ``("dlbatch-lease", <its lease generation>)``, and
+a holder's first act, before it reads progress, is its *fence*: a transaction of no rows
+carrying its generation (on an output without a table: the table created, empty, with the
+result columns; the first flush adds its other columns by schema merge). Delta's conflict
+check does the rest: a commit is checked against every transaction committed since the
+snapshot it read, and two transactions that set the same application id conflict
+("concurrent transaction"). So a holder paused after its checks and taken over finds, when
+it wakes, its commit rejected by the new holder's fence — and a snapshot read after that fence
+shows a newer generation, which the store refuses before writing (`LeaseLost`). A process that
+lost the lease makes nothing visible in the table, ever: the new holder read everything that
+landed before its fence, and nothing lands after it. (A stale process's written but
+uncommitted data files stay invisible to every Delta reader; ``vacuum`` removes them.)
 
 Dead letters of a flush that also has result rows land with them. Invariant: *a file
 under ``_errors/_pending/`` counts only when its transaction is in the Delta log.* The flush
@@ -55,16 +69,19 @@ import time
 from dlbatch.output.compaction import COMPACT_MIN_PARTS, COMPACT_TARGET_BYTES
 from dlbatch.output.dead_letters import ERRORS_DIR, DeadLetters
 from dlbatch.output.files import MANIFEST, OutputFiles
+from dlbatch.output.kept_columns import KeptColumns
+from dlbatch.output.lease import LeaseLost
 from dlbatch.output.parts import PartsFolder
 from dlbatch.output.progress import committed_progress, with_pending
 from dlbatch.output.rows import error_key, error_table, new_run_tag, not_from, result_key, result_table
-from dlbatch.records import INDEX_COLUMNS
+from dlbatch.records import INDEX_COLUMNS, result_schema
 
 log = logging.getLogger("dlbatch.output.delta_store")
 
 PENDING_DIR = f"{ERRORS_DIR}/_pending"  # dead letters whose transaction may not have landed
 DELTA_LOG = "_delta_log"
 COMMIT_ATTEMPTS = 4  # a Delta commit that raised is retried (after checking it did not land)
+LEASE_APP = "dlbatch-lease"  # application id whose version is the lease generation of the last holder to commit
 
 
 def _deltalake():
@@ -108,6 +125,22 @@ def _parse_txn_name(name: str) -> tuple[str, int]:
     return app_id, int(version)
 
 
+def _schema(dt):
+    """The table's schema as a pyarrow Schema (the result columns' when there is no table)."""
+    import pyarrow as pa
+
+    return pa.schema(dt.schema().to_arrow()) if dt is not None else result_schema(False, ())
+
+
+def _check_fence(dt, gen: int | None, url: str) -> None:
+    """Raise `LeaseLost` when the snapshot ``dt`` holds the fence of a lease generation newer
+    than ``gen`` (this process's)."""
+    if gen is not None and dt is not None and (dt.transaction_version(LEASE_APP) or 0) > gen:
+        raise LeaseLost(f"the Delta table {url} is fenced by lease generation {dt.transaction_version(LEASE_APP)} "
+                        f"(this process holds {gen}): another process took the lease over; nothing more is "
+                        f"committed by this process")
+
+
 class DeltaStore:
     """Committed rows as a Delta table: transactions with an application transaction id,
     dead letters counted once their transaction is in the log (module docstring)."""
@@ -119,6 +152,7 @@ class DeltaStore:
         self._dl = _deltalake()
         self.files = files if isinstance(files, OutputFiles) else OutputFiles(files, storage_options)
         self.keep_columns = keep_columns  # output.keep_columns: input columns appended to result rows
+        self.kept = KeptColumns(keep_columns) if keep_columns else None
         self.run_tag = new_run_tag()
         self.dead = DeadLetters(self.files, self.run_tag)
         self.pending = PartsFolder(self.files, PENDING_DIR)  # one file per transaction with dead letters
@@ -126,6 +160,7 @@ class DeltaStore:
         self._app_id: str | None = None
         self._seq = 0  # this run's commit sequence: the version of its application transaction
         self._uncertain_txns: list[tuple[int, set, set]] = []  # (version, result keys, error keys) that raised
+        self._log_fenced: int | None = None  # the lease generation whose fence this store committed
 
     # ---- the table ------------------------------------------------------------------------
     def table(self):
@@ -172,6 +207,7 @@ class DeltaStore:
     def progress(self, tasks: set[str] | None = None) -> dict:
         """`committed_progress` of the snapshot and the dead letters (those of landed
         transactions whose copy is not published yet included)."""
+        self.fence_up()
         pending = [t for _, t in self.pending_error_copies()]
         return committed_progress(self.index(), with_pending(self.errors(), pending), tasks)
 
@@ -193,10 +229,16 @@ class DeltaStore:
     def commit(self, rows: list[dict], errors: list[dict], include_text: bool, extra_fields=()) -> str | None:
         """One flush = one Delta transaction ``(app_id, version)``; its dead letters are
         counted only once that transaction is in the log (module docstring)."""
+        self.fence_up()
+        self.files.before_commit()
         rows, errors = self._without_landed_txns(rows, errors)
+        kept = None
+        if self.kept is not None:
+            skip = result_schema(include_text, extra_fields).names
+            rows, errors, kept = self.kept.fit(rows, errors, skip, lambda: _schema(self.table()))
         if not rows:
-            return self.dead.commit(errors) if errors else None
-        table = result_table(rows, include_text, extra_fields, self.keep_columns)
+            return self.commit_errors(errors) if errors else None
+        table = result_table(rows, include_text, extra_fields, kept)
         self._seq += 1
         version = self._seq
         try:
@@ -208,35 +250,83 @@ class DeltaStore:
             raise
         if errors:
             self._publish(_txn_name(self.app_id, version))
+        self.dead.ensure_readable()
         return self.files.url
 
     def commit_errors(self, rows: list[dict]) -> str | None:
-        return self.dead.commit(rows)
+        self.fence_up()
+        self.files.before_commit()
+        url = self.dead.commit(rows)
+        self.dead.ensure_readable()
+        return url
+
+    def orphans(self) -> list[str]:
+        return self.files.sweep_orphans()
+
+    # ---- the fence -----------------------------------------------------------------------------
+    def fence_up(self) -> None:
+        """Before a holder reads progress or changes anything: the fence of ``_errors/``
+        (`OutputFiles.fence_up`) and its fence in the Delta log, once per lease (module
+        docstring); without a lease, nothing."""
+        self.files.fence_up()
+        gen = self.files.generation
+        if gen is not None and self._log_fenced != gen:
+            self._transact(None, None)
+            self._log_fenced = gen
+
+    def _props(self, app_version: int | None = None):
+        """The commit properties of a transaction: this run's (app_id, ``app_version``) when
+        given, and the lease generation when a lease is held."""
+        dl, gen = self._dl, self.files.generation
+        txns = ([dl.Transaction(self.app_id, app_version)] if app_version is not None else []) + \
+            ([dl.Transaction(LEASE_APP, gen)] if gen is not None else [])
+        return dl.CommitProperties(app_transactions=txns) if txns else None
+
+    def _fenced_out(self, dt) -> None:
+        _check_fence(dt, self.files.generation, self.files.url)
 
     def _append(self, table, version: int) -> None:
-        """Append ``table`` as the transaction ``(app_id, version)``, retried; an attempt
-        finds the version in the log when an earlier one landed: then nothing is written."""
-        dl = self._dl
-        props = dl.CommitProperties(app_transactions=[dl.Transaction(self.app_id, version)])
+        self._transact(table, version)
+
+    def _transact(self, table, version: int | None) -> None:
+        """Commit ``table`` (appended) as one transaction carrying ``(app_id, version)`` and the
+        lease generation, retried; an attempt that finds the version in the log (an earlier
+        one landed, its reply lost) writes nothing. ``table`` and ``version`` None: the fence
+        (no rows, the lease generation only; landed when the log carries that generation)."""
+        dl, gen = self._dl, self.files.generation
         for attempt in range(COMMIT_ATTEMPTS):
             self.files.guard()
             dt = self.table()
-            if self._landed(self.app_id, version, dt):
+            if version is not None and self._landed(self.app_id, version, dt):
                 log.warning("Delta commit %s v%d is in the log already (a lost reply): not written again",
                             self.app_id, version)
                 return
+            if version is None and dt is not None and dt.transaction_version(LEASE_APP) == gen:
+                return
+            self._fenced_out(dt)
+            self.files.verify()  # the lease read immediately before the commit
             try:
-                dl.write_deltalake(dt if dt is not None else self.files.url, table, mode="append",
-                                   storage_options=None if dt is not None else self.delta_options,
-                                   commit_properties=props)
+                self._write(dt, table if table is not None else _schema(dt).empty_table(), self._props(version))
                 return
             except (dl.exceptions.SchemaMismatchError, dl.exceptions.DeltaProtocolError):
                 raise
             except (OSError, dl.exceptions.DeltaError) as e:
+                self._fenced_out(self.table())  # rejected by a newer holder's fence: final
                 if attempt == COMMIT_ATTEMPTS - 1:
                     raise
-                log.warning("Delta commit %s v%d failed (%s: %s); retrying", self.app_id, version, type(e).__name__, e)
+                what = f"commit {self.app_id} v{version}" if version is not None else f"fence of generation {gen}"
+                log.warning("Delta %s failed (%s: %s); retrying", what, type(e).__name__, e)
                 time.sleep(0.5 * 2 ** attempt)
+
+    def _write(self, dt, table, props) -> None:
+        """One commit attempt against the snapshot ``dt`` (None: create the table; refused if
+        it exists by then). The fault drills pause a process here, after its checks."""
+        dl = self._dl
+        if dt is None:
+            dl.write_deltalake(self.files.url, table, mode="error", storage_options=self.delta_options,
+                               commit_properties=props)
+        else:
+            dl.write_deltalake(dt, table, mode="append", schema_mode="merge", commit_properties=props)
 
     def _without_landed_txns(self, rows: list[dict], errors: list[dict]) -> tuple[list[dict], list[dict]]:
         """Drop the rows of earlier commits that raised but are in the log after all."""
@@ -269,7 +359,8 @@ class DeltaStore:
     def recover(self) -> dict:
         """Before a resume reads progress: publish the dead letters of landed transactions,
         delete those of transactions that never landed (their writer is gone: we hold the
-        lease), finish or drop interrupted dead-letter rewrites."""
+        lease and our fence is in the log), finish or drop interrupted dead-letter rewrites."""
+        self.fence_up()
         dt = self.table()
         published = dropped = 0
         for f in self.pending.parts():
@@ -301,8 +392,10 @@ class DeltaStore:
             src = dt.to_pyarrow_table(columns=["source"]).column("source").combine_chunks()
             hit = pc.unique(src.filter(pc.is_in(source_files(src), value_set=values))).to_pylist()
             if hit:
-                self.files.guard()
-                res = dt.delete(predicate=f"source IN ({', '.join(_sql_string(s) for s in hit)})")
+                self.files.verify()
+                self._fenced_out(dt)
+                res = dt.delete(predicate=f"source IN ({', '.join(_sql_string(s) for s in hit)})",
+                                commit_properties=self._props())
                 removed = int(res.get("num_deleted_rows", 0))
         self.dead.supersede(keep, values)
         return removed
@@ -316,8 +409,9 @@ class DeltaStore:
         before = len(dt.file_uris()) if dt is not None else 0
         if dt is None or before <= min_parts:
             return {"parts_before": before, "merged_parts": 0, "parts_written": 0}
-        self.files.guard()
-        m = dt.optimize.compact(target_size=target_bytes)
+        self.files.verify()
+        self._fenced_out(dt)
+        m = dt.optimize.compact(target_size=target_bytes, commit_properties=self._props())
         self.files.guard()
         vacuumed = self.table().vacuum(dry_run=False)
         log.info("Delta optimize of %s: %s files into %s; vacuum removed %d old files", self.files.url,
@@ -343,4 +437,5 @@ class DeltaStore:
         def ours(rel: str) -> bool:  # delta-rs writes its data files at the top, named part-*.parquet
             return ("/" not in rel and rel.startswith("part-") and rel.endswith(".parquet")) or self.dead.holds(rel)
 
+        self._log_fenced = None  # the log is gone: the next use fences the new table
         return len(logs) + self.files.clear(ours)

@@ -12,10 +12,15 @@ appears whole when its single PUT/copy completes). A rerun reads the committed p
 skips every document already there, so each (document, task) appears exactly once.
 
 Layout (the folder's own records, the lease and ``_errors/``: dlbatch/output/__init__.py):
-    part-<ms>-<run tag>-<hash of its (doc_id, task) keys>[-e].parquet result rows (-e: dead letters in its footer)
-    part-c<hash>.parquet           a merged part (dlbatch/output/compaction.py)
+    part-g<gen>-<ms>-<run tag>-<hash of its (doc_id, task) keys>[-e].parquet
+                                   result rows (-e: dead letters in its footer); ``gen``: the
+                                   generation of the lease they were committed under (``part-``
+                                   and no ``g<gen>`` when committed without a lease)
+    part-g<gen>-c<hash>.parquet    a merged part (dlbatch/output/compaction.py)
     _index/<part name>             the part's (doc_id, source, task, tokens): its index
     _compact/<merged part>.json    a merge in progress
+    _fence.json, _orphans/         the fence of lease generations, the parts it ruled out
+                                   (dlbatch/output/fence.py)
 
 One commit per flush of complete documents (`commit`): the result rows and the dead-letter
 rows of the documents it holds land together or not at all. The dead letters travel inside
@@ -28,6 +33,14 @@ Exactly once through commit errors: a part's name is fixed by its rows, so retry
 rows finds the identical file and skips; a lost reply to the rename is detected by the sink
 (the file is there with our bytes); and when a commit raised anyway, the parts folder
 remembers it and, before the next commit, the rows that part holds are dropped if it landed.
+
+Fenced commits: every rename re-reads the lease immediately before it; a part that a
+process renamed into place after it lost the lease anyway is an orphan, never counted and
+moved aside (dlbatch/output/fence.py). Before it reads progress or commits, a holder raises
+the fence to its generation (`OutputFiles.fence_up`).
+
+Kept input columns (``output.keep_columns``) have one type per column for the whole output;
+a document whose value does not fit is its dead letter (dlbatch/output/kept_columns.py).
 
 Resume cost: progress comes from the index files (a few columns, never the output text),
 read in parallel; a part without an index (crash between the two writes) is read for its
@@ -42,10 +55,11 @@ from dlbatch.output.compaction import (COMPACT_MIN_PARTS, COMPACT_TARGET_BYTES, 
                                        Compaction)
 from dlbatch.output.dead_letters import DeadLetters
 from dlbatch.output.files import OutputFiles
+from dlbatch.output.kept_columns import KeptColumns
 from dlbatch.output.parts import COMPACT_DIR, ERRORS_META, INDEX_DIR, PartsFolder
 from dlbatch.output.progress import committed_progress, with_pending
 from dlbatch.output.rows import error_key, error_table, new_run_tag, not_from, part_name, result_key, result_table
-from dlbatch.records import INDEX_COLUMNS
+from dlbatch.records import INDEX_COLUMNS, result_schema
 
 log = logging.getLogger("dlbatch.output.parquet_store")
 
@@ -64,6 +78,7 @@ class ParquetStore:
         """``files``: the output folder (an `OutputFiles`, with its lease) or its URL."""
         self.files = files if isinstance(files, OutputFiles) else OutputFiles(files, storage_options)
         self.keep_columns = keep_columns  # output.keep_columns: input columns appended to result rows
+        self.kept = KeptColumns(keep_columns) if keep_columns else None
         self.run_tag = new_run_tag()
         self.parts = PartsFolder(self.files, "", index_columns=INDEX_COLUMNS)
         self.dead = DeadLetters(self.files, self.run_tag)
@@ -85,6 +100,7 @@ class ParquetStore:
     def progress(self, tasks: set[str] | None = None) -> dict:
         """`committed_progress` of the index files and the dead letters (those of parts whose
         ``_errors/`` copy a crash lost included)."""
+        self.files.fence_up()
         pending = [t for _, t in self.pending_error_copies()]
         return committed_progress(self.index(), with_pending(self.errors(), pending), tasks)
 
@@ -94,11 +110,14 @@ class ParquetStore:
         land together (one part; its dead letters in its footer) or not at all.
         ``extra_fields``: pyarrow fields appended to the schema (dlbatch/prompts/structured.py
         `result_fields`: valid, output_error, one typed `<task>_json` per JSON-schema task)."""
+        self.files.before_commit()
         rows, errors = self._drop_landed(rows, errors)
+        rows, errors, kept = self._fit_kept(rows, errors, include_text, extra_fields)
         if not rows:
-            return self.dead.commit(errors) if errors else None
-        table = result_table(rows, include_text, extra_fields, self.keep_columns)
-        name = part_name(self.run_tag, [result_key(r) for r in rows] + [error_key(r) for r in errors])
+            return self.commit_errors(errors) if errors else None
+        table = result_table(rows, include_text, extra_fields, kept)
+        keys = [result_key(r) for r in rows] + [error_key(r) for r in errors]
+        name = part_name(self.run_tag, keys, self.files.generation)
         if errors:
             etable = error_table(errors)
             meta = dict(table.schema.metadata or {})
@@ -109,10 +128,36 @@ class ParquetStore:
         self.parts.write_index(name, table)
         if errors:  # the copy readers use; `recover` rewrites it when a crash lost it
             self.dead.copy(etable, name)
+        self.dead.ensure_readable()
         return url
 
     def commit_errors(self, rows: list[dict]) -> str | None:
-        return self.dead.commit(rows)
+        self.files.before_commit()
+        url = self.dead.commit(rows)
+        self.dead.ensure_readable()
+        return url
+
+    def orphans(self) -> list[str]:
+        return self.files.sweep_orphans()
+
+    def _fit_kept(self, rows: list[dict], errors: list[dict], include_text: bool, extra_fields):
+        """(rows, errors, kept columns): the documents whose kept columns do not fit the
+        output's types become dead letters (`KeptColumns`); types from the first committed part."""
+        if self.kept is None:
+            return rows, errors, None
+        return self.kept.fit(rows, errors, result_schema(include_text, extra_fields).names, self._committed_schema)
+
+    def _committed_schema(self):
+        """The schema of the first committed part (None: nothing committed)."""
+        import pyarrow.parquet as pq
+
+        from connectors.io_retry import call_with_retry
+
+        parts = self.parts.parts()
+        if not parts:
+            return None
+        with call_with_retry(self.files.fs.open, parts[0], "rb", op=f"open {parts[0]}") as f:
+            return pq.read_schema(f)
 
     def _drop_landed(self, rows: list[dict], errors: list[dict]) -> tuple[list[dict], list[dict]]:
         """``rows`` and ``errors`` without those that earlier commits which raised did commit
@@ -151,7 +196,9 @@ class ParquetStore:
     # ---- changing what is committed -------------------------------------------------------------
     def recover(self) -> dict:
         """Before a resume reads progress: write the ``_errors/`` copies a crash lost, finish
-        or drop interrupted merges (of the results, then of the dead letters)."""
+        or drop interrupted merges (of the results, then of the dead letters). A holder raises
+        the fence first, so nothing a process that lost the lease renames later is finished."""
+        self.files.fence_up()
         copies = self.pending_error_copies()
         for name, t in copies:
             self.dead.copy(t, name)

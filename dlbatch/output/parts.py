@@ -13,9 +13,12 @@ not-yet-counted dead letters) holding whole Parquet files:
     <at>/_compact/<merged>.json  a merge in progress (dlbatch/output/compaction.py)
 
 Invariants: the committed parts are the ``*.parquet`` at the folder's top level that no
-committed merge replaced (`connectors.sink.committed_paths`); every write and every delete
-checks the lease of the folder's `OutputFiles` first; a commit that raised is remembered
-(its reply may be lost while the file landed) until `landed` looks for it, once.
+committed merge replaced (`connectors.sink.committed_paths`) and that the output's fence
+does not rule out (orphans: parts a process renamed into place after it lost the lease,
+dlbatch/output/fence.py; every listing here leaves them out); every write and every delete
+checks the lease of the folder's `OutputFiles` first, and every rename re-reads it
+immediately before; a commit that raised is remembered (its reply may be lost while the
+file landed) until `landed` looks for it, once.
 
 Nothing here knows what the rows mean: the keys of a row, the dead letters a result part
 carries in its footer (`ERRORS_META`) and when a part may be deleted are the stores'.
@@ -64,8 +67,8 @@ class PartsFolder:
 
     # ---- reading --------------------------------------------------------------------------------
     def find(self) -> list[str]:
-        """Every file under the folder, its sub-folders included: one listing."""
-        return self.files.find(self.at)
+        """Every file under the folder, its sub-folders included, less the orphans: one listing."""
+        return self.files.fence.visible(self.files.find(self.at))
 
     def listing(self) -> tuple[list[str], set[str]]:
         """(the committed parts, every file under the folder): one listing."""
@@ -117,7 +120,8 @@ class PartsFolder:
 
         self.files.guard()
         try:
-            return write_parquet_atomic(table, self.url, name, self.files.storage_options)
+            return write_parquet_atomic(table, self.url, name, self.files.storage_options,
+                                        before_rename=self.files.before_rename)
         except BaseException:
             if remember:
                 self._uncertain.append(name)
@@ -149,7 +153,8 @@ class PartsFolder:
 
         try:
             write_parquet_atomic(table.select(self.index_columns), self.files.url_of(self._rel(INDEX_DIR)), name,
-                                 self.files.storage_options, on_conflict="overwrite")
+                                 self.files.storage_options, on_conflict="overwrite",
+                                 before_rename=self.files.before_rename)
         except OSError as e:
             log.warning("could not write the index of %s (resume reads the part instead): %s", name, e)
 

@@ -2,7 +2,8 @@
 
 A flush's result rows become one table of `dlbatch.records.result_schema` (`result_table`:
 the result columns, ``text`` when the job keeps it, the typed columns of structured and
-sampled tasks, then the input columns ``output.keep_columns`` names); its dead letters one
+sampled tasks, then the input columns ``output.keep_columns`` names, one type per column:
+dlbatch/output/kept_columns.py); its dead letters one
 table of `dlbatch.records.error_schema` (`error_table`). A row's key names it across
 retries: ``(doc_id, task)`` for a result, ``(doc_id, "<task>:<stage>")`` for a dead letter
 (task empty: the whole document). A part's name is a hash of its keys (`part_name`), so the
@@ -35,8 +36,13 @@ def new_run_tag() -> str:
     return f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
 
 
-def part_name(run_tag: str, keys) -> str:
-    return f"part-{run_tag}-{keys_digest(keys)}.parquet"
+def part_name(run_tag: str, keys, gen: int | None = None) -> str:
+    """The name of a part of rows with ``keys``: ``part-g<gen>-<run tag>-<hash>.parquet`` when
+    committed under a lease of generation ``gen`` (its fencing token, dlbatch/output/fence.py),
+    ``part-<run tag>-<hash>.parquet`` without a lease."""
+    from dlbatch.output.fence import part_prefix
+
+    return f"{part_prefix(gen) if gen is not None else 'part-'}{run_tag}-{keys_digest(keys)}.parquet"
 
 
 def error_table(rows: list[dict]):
@@ -46,22 +52,19 @@ def error_table(rows: list[dict]):
                                  for r in rows], schema=error_schema())
 
 
-def result_table(rows: list[dict], include_text: bool, extra_fields=(), keep_columns=()):
-    """The rows as a table; with ``keep_columns`` (output.keep_columns: names, or "all"), the
-    input columns each row carries (``columns``, connectors/columns.py) after the result columns."""
+def result_table(rows: list[dict], include_text: bool, extra_fields=(), kept=None):
+    """The rows as a table; ``kept``: the input columns ``output.keep_columns`` names, one row
+    per row, typed (`dlbatch.output.kept_columns.KeptColumns.fit`), appended after the result
+    columns (a kept column named like a result column stays out)."""
     import pyarrow as pa
 
     cols = RESULT_COLUMNS + (["text"] if include_text else []) + [f.name for f in extra_fields]
     table = pa.Table.from_pylist([{c: r.get(c) for c in cols} for r in rows],
                                  schema=result_schema(include_text, extra_fields))
-    if not keep_columns or not rows:
+    if kept is None or not rows:
         return table
-    from connectors.columns import columns_table
-
-    names = None if keep_columns == "all" else list(keep_columns)
-    kept = columns_table([r.get("columns") for r in rows], names)
     for name in kept.schema.names:
-        if name not in table.schema.names:  # "all": a column named like a result column stays out
+        if name not in table.schema.names:
             table = table.append_column(kept.schema.field(name), kept.column(name))
     return table
 

@@ -6,6 +6,10 @@ counted without parsing them (the input-format table's counter: JSONL lines, Par
 footers). ``complete`` means this job, as asked now, has nothing pending: a run that
 completed under another ``input.limit`` (the manifest records it) left documents this job
 still has to process, and status says so rather than calling the job complete.
+
+Orphans (parts a process committed after it lost the lease, dlbatch/output/fence.py) are
+never counted; status names those moved aside to ``_orphans/`` and those still in place,
+which plain readers of the folder see until the next holder's commit moves them.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ def job_status(spec) -> dict:
     from connectors import list_inputs
     from connectors.formats import input_format
     from dlbatch.output import open_store
+    from dlbatch.output.fence import orphan_report
     from dlbatch.output.files import MANIFEST
 
     store = open_store(spec.output)  # the format that wrote the output (its manifest), else the job's
@@ -43,4 +48,5 @@ def job_status(spec) -> dict:
             "docs_failed": prog["n_failed"], "docs_pending": pending,
             "rows": prog["rows"], "duplicate_rows": prog["duplicates"], "prompt_tokens": prog["prompt_tokens"],
             "output_tokens": prog["output_tokens"], "complete": ran and pending == 0,
-            "last_run_complete": ran, "last_run_limit": manifest.get("limit")}
+            "last_run_complete": ran, "last_run_limit": manifest.get("limit"),
+            **{f"orphan_parts_{k}": v for k, v in orphan_report(store.files).items()}}

@@ -15,6 +15,11 @@ Invariants of every store:
   raised (a lost reply) — commits each row once.
 - **One writer.** Every change checks the lease of ``files`` first (when one is taken): a
   process that lost it changes nothing more (`LeaseLost`).
+- **Fenced commits.** A process that lost the lease makes nothing visible afterwards that
+  counts: a holder fences the output before it reads progress or changes it (Parquet parts:
+  the fence of lease generations, dlbatch/output/fence.py, whose orphans are never read and
+  are moved aside; Delta: a fence transaction in the log, which rejects an older holder's
+  commit), and every rename re-reads the lease immediately before it.
 - **Readers see commits only.** Nothing half-written is read; after a crash at any point,
   `recover` (run before progress is read) leaves each committed row visible once.
 - **Its own files only.** A store changes the files its format wrote and the folder's
@@ -72,6 +77,10 @@ class Store(Protocol):
         """Merge small data files into large ones when more than ``min_parts`` exist; every
         row stays visible once at every step. Returns ``parts_before``, ``merged_parts``,
         ``parts_written``."""
+
+    def orphans(self) -> list[str]:
+        """Move aside the parts a process committed after it lost the lease (orphans) visible
+        now; returns every orphan this process moved aside (the run's report names them)."""
 
     def clear(self) -> int:
         """--fresh: delete the files this format wrote and the folder's records, nothing else

@@ -138,9 +138,11 @@ class RunReport:
     # ---- at the end ------------------------------------------------------------------------------
     def finish(self, store, tally: Tally | None = None, *, stats: dict | None = None, router: dict | None = None,
                dispatch: dict | None = None, retries: dict | None = None, compaction: dict | None = None,
-               long_inputs: dict | None = None, kv_transport: str | None = None, rdt_regroups: int = 0) -> dict:
+               long_inputs: dict | None = None, kv_transport: str | None = None, rdt_regroups: int = 0,
+               orphans: dict | None = None) -> dict:
         """The report dict, written to ``_report.json`` (and rendered as HTML/PNG) in ``store.files``.
-        ``stats``: the workers' ``stats()`` by role."""
+        ``stats``: the workers' ``stats()`` by role; ``orphans``: the parts a process committed
+        after it lost the lease, moved aside by this run (dlbatch/output/fence.py)."""
         stats = stats or {}
         t_finish = time.time()
         wall = t_finish - self.t_start
@@ -173,6 +175,7 @@ class RunReport:
             "prompt_token_hist": list(tally.prompt_hist) if tally else [],
             "output_token_hist": list(tally.output_hist) if tally else [],
             "compaction": compaction or {}, "long_inputs": long_inputs or {},
+            "orphans": orphans or {"count": 0, "parts": []},
             "inputs_deleted": {"count": len(self.inputs_deleted), "sources": self.inputs_deleted[:100]},
             "inputs_replaced": {"count": len(self.inputs_replaced), "sources": self.inputs_replaced[:100]},
         }

@@ -6,8 +6,9 @@ fsspec hands out cached instances):
 
 * ``reply_lost=N``: the next N moves whose destination contains ``match`` really happen,
   then raise ``error`` (default ConnectionResetError) as if the rename's reply was lost;
-* ``enospc_after=B``: after B bytes written in all (files opened for writing, which
-  pipe_file uses too), a write stores what fits and raises OSError(ENOSPC) (disk full);
+* ``enospc_after=B``: after B bytes written in all (files opened for writing or exclusive
+  creation, which pipe_file and the lease's create use too), a write stores what fits and
+  raises OSError(ENOSPC) (disk full: with B=0 an exclusive create leaves an empty file);
 * ``full_after_commits=N``: after N moves into a ``match`` path, the disk is full (every
   later write raises ENOSPC) until the plan changes;
 * ``crash_after=K``: the (K+1)-th mutating call (write, move, delete) and every one after
@@ -115,7 +116,7 @@ class FaultyLocalFileSystem(LocalFileSystem):
         return super().rm_file(path)
 
     def _open(self, path, mode="rb", *args, **kwargs):
-        if "w" not in mode and "a" not in mode:
+        if not any(m in mode for m in "wax"):
             return super()._open(path, mode, *args, **kwargs)
         self.plan.mutate(f"open {path}")
         return io.BufferedWriter(_CountingWriter(self, super()._open(path, mode, *args, **kwargs), path))

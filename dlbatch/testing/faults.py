@@ -10,6 +10,12 @@ its ``DLBATCH_*`` variables on to its workers) builds a `WorkerFaults` and calls
   the worker's other calls go on.
 
 Unset (every real job), workers hold no `WorkerFaults` and nothing here runs.
+
+`stop_at` pauses a process the way a VM pause or a stopped process does (SIGSTOP: every
+thread, the lease's heartbeat included, stops until SIGCONT): a drill's child process wraps a
+call with it — the output filesystem's ``mv`` (a part's rename: the lease was just read),
+``deltalake.write_deltalake`` (a Delta commit, after the store's checks) — so the pause falls
+at a chosen call, deterministically.
 """
 from __future__ import annotations
 
@@ -48,3 +54,25 @@ class WorkerFaults:
 def env(**faults) -> dict:
     """{ENV: json} for a test's monkeypatch.setenv / subprocess environment."""
     return {ENV: json.dumps(faults)}
+
+
+def stop_at(fn, nth: int, when: str = "after"):
+    """``fn`` wrapped so that this process stops itself (SIGSTOP) right ``when`` ("after" or
+    "before") its ``nth`` call (1-based); every other call is ``fn`` alone."""
+    import signal
+
+    if when not in ("after", "before") or nth < 1:
+        raise ValueError(f"stop_at needs when 'after' or 'before' and nth >= 1, got {when!r}, {nth}")
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        hit = calls[0] == nth
+        if hit and when == "before":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        out = fn(*args, **kwargs)
+        if hit and when == "after":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return out
+
+    return wrapped

@@ -149,7 +149,7 @@ def kill_group_and_ray(proc, raytmp):
 
 def committed_parts(out):
     """The committed result and dead-letter parts under `out` (`part-*.parquet`; not the ones
-    in `_tmp`, nor bookkeeping such as `_sources.parquet`)."""
+    in `_tmp`, nor bookkeeping such as `_sources.arrow`)."""
     return sorted(os.path.join(dp, f) for dp, _, fs in os.walk(out) for f in fs
                   if f.startswith("part-") and f.endswith(".parquet") and "_tmp" not in dp)
 
