@@ -89,12 +89,14 @@ def _result_fields():
             # long documents (docs/long_documents.md): the policy applied (null: the document fit),
             # its length, the tokens of it the model saw, the chunks of a map-reduce
             ("long_input_policy", pa.string()), ("doc_tokens", pa.int64()), ("kept_tokens", pa.int64()),
-            ("chunks", pa.int64())]
+            ("chunks", pa.int64()),
+            # a table row's version: the hash of what its prompts read (dlbatch/prompts/doc_identity.py)
+            ("doc_version", pa.string())]
 
 
 RESULT_COLUMNS = ["doc_id", "source", "task", "output", "prompt_tokens", "output_tokens", "finish_reason",
                   "truncated", "model", "ttft_s", "latency_s", "long_input_policy", "doc_tokens", "kept_tokens",
-                  "chunks"]  # the names of `_result_fields`, importable without pyarrow
+                  "chunks", "doc_version"]  # the names of `_result_fields`, importable without pyarrow
 ERROR_COLUMNS = ["doc_id", "source", "task", "stage", "error_type", "error"]  # task None: the whole document
 INDEX_COLUMNS = ["doc_id", "source", "task", "prompt_tokens", "output_tokens"]  # what progress reads
 
@@ -128,7 +130,8 @@ def result_row(request: dict, result: dict, model: str, *, task: Optional[str] =
            "truncated": bool(request.get("truncated")), "model": model, "ttft_s": result.get("ttft_s"),
            "latency_s": result.get("latency_s"), "text": request.get("text"),
            "long_input_policy": request.get("long_input_policy"), "doc_tokens": request.get("doc_tokens"),
-           "kept_tokens": request.get("kept_tokens"), "chunks": None, "columns": request.get("columns")}
+           "kept_tokens": request.get("kept_tokens"), "chunks": None, "columns": request.get("columns"),
+           "doc_version": request.get("doc_version")}
     row.update(overrides)
     if extra is not None:
         row.update(extra(task, result))

@@ -92,7 +92,6 @@ class JobRunner:
         import pyarrow as pa
 
         from connectors.formats import input_format
-        from connectors.versions import input_versions, versions_digest
         from dlbatch.prompts.skip import SkipSet
         from dlbatch.jobspec import content_fields, fingerprint_fields, job_fingerprint
         from dlbatch.report.run import RunReport
@@ -113,22 +112,7 @@ class JobRunner:
         by_file = input_format(spec.input.format).one_doc_per_file  # a source is done when its document is
         if spec.input.limit is not None and by_file:
             files = files[:spec.input.limit]
-        report.startup.start("input_versions")
-        recorded = store.files.read_sources()
-        versions = input_versions(files, dict(spec.input.storage_options), cache=recorded)
-        report.startup.end("input_versions")
-        sig = versions_digest(versions, spec.input.limit)
-        # a one-document file (pdf, text) is its document: new content, new rows. A file of
-        # records keeps row identity (ids): appended rows are new documents, committed ones stay
-        replaced = sorted(f for f, (_, v) in versions.items()
-                          if by_file and f in recorded and recorded[f][1] != v)
-        if replaced:  # their old rows go before anything is read as done; then the inputs are redone
-            n = store.supersede(set(replaced))
-            log.warning("%d inputs changed since their rows were committed (%s); %d old rows removed, redoing them",
-                        len(replaced), ", ".join(replaced[:5]), n)
-        if versions != recorded:
-            store.files.write_sources({**{s: r for s, r in recorded.items() if s not in versions}, **versions})
-        report.inputs_replaced = replaced
+        sig = self._supersede_changed(store, files, report, by_file)
         task_names = {t.name for t in spec.tasks}
         prog = store.progress(tasks=task_names)  # from the parts' index files, not their text
         report.inputs_deleted = sorted(prog["sources"] - listed)
@@ -193,6 +177,46 @@ class JobRunner:
         out = out.finish(store, retries={"worker": out.retries, "io": retry_count() - io_retries_start})
         store.files.write_json("_manifest.json", {**(store.files.read_json("_manifest.json") or {}), "complete": True})
         return out
+
+    def _supersede_changed(self, store, files: list[str], report, by_file: bool) -> str:
+        """Inputs that changed since their rows were committed lose those rows before anything
+        is read as done, then are redone: a one-document file (pdf, text) is its document,
+        replaced whole; a table file keeps row identity (appended rows are new documents,
+        committed ones stay) and loses the rows of its edited documents (`_supersede_edited`).
+        Then the inputs' versions are recorded. Returns the inputs' digest for the manifest."""
+        from connectors.versions import input_versions, versions_digest
+
+        spec = self.spec
+        report.startup.start("input_versions")
+        recorded = store.files.read_sources()
+        versions = input_versions(files, dict(spec.input.storage_options), cache=recorded)
+        report.startup.end("input_versions")
+        changed = sorted(f for f, (_, v) in versions.items() if f in recorded and recorded[f][1] != v)
+        replaced = changed if by_file else []
+        if replaced:
+            n = store.supersede(set(replaced))
+            log.warning("%d inputs changed since their rows were committed (%s); %d old rows removed, redoing them",
+                        len(replaced), ", ".join(replaced[:5]), n)
+        report.inputs_replaced = replaced
+        report.rows_edited = 0 if by_file else self._supersede_edited(store, changed)
+        if versions != recorded:
+            store.files.write_sources({**{s: r for s, r in recorded.items() if s not in versions}, **versions})
+        return versions_digest(versions, spec.input.limit)
+
+    def _supersede_edited(self, store, changed: list[str]) -> int:
+        """Edited rows of the table inputs in ``changed`` (dlbatch/driver/edits.py): their
+        documents' rows go, so the stream redoes them. Returns the documents superseded."""
+        from dlbatch.driver.edits import stale_documents
+        from dlbatch.prompts.doc_identity import DocIdentity
+
+        identity = DocIdentity.for_job(self.spec, getattr(self.pipeline, "preprocess", None))
+        stale = stale_documents(store, self.spec, identity, changed)
+        ids = set().union(*stale.values()) if stale else set()
+        if ids:
+            n = store.supersede(set(stale), ids)
+            log.warning("%d rows of %s changed since their results were committed; %d old rows removed, redoing them",
+                        len(ids), ", ".join(sorted(stale)[:5]), n)
+        return len(ids)
 
     def _writer(self, store, content: dict):
         """-> (the store this run commits with, the output's manifest). The store is

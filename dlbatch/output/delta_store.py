@@ -377,15 +377,16 @@ class DeltaStore:
             log.warning("wrote %d dead-letter copies a crash had lost (their transactions were committed)", published)
         return {"error_copies": published, "pending_dropped": dropped, "compactions": self.dead.recover()}
 
-    def supersede(self, sources: set[str]) -> int:
-        """Remove every committed row of ``sources``: one Delta delete transaction for the
-        result rows, then the dead letters rewritten (`DeadLetters.supersede`)."""
+    def supersede(self, sources: set[str], doc_ids: set[str] | None = None) -> int:
+        """Remove every committed row of ``sources`` (with ``doc_ids``: of those documents
+        only): one Delta delete transaction for the result rows, then the dead letters
+        rewritten (`DeadLetters.supersede`)."""
         import pyarrow.compute as pc
 
         from connectors.versions import source_files
 
         self.recover()
-        keep, values = not_from(sources)
+        keep, values = not_from(sources, doc_ids)
         removed = 0
         dt = self.table()
         if dt is not None:
@@ -394,8 +395,10 @@ class DeltaStore:
             if hit:
                 self.files.verify()
                 self._fenced_out(dt)
-                res = dt.delete(predicate=f"source IN ({', '.join(_sql_string(s) for s in hit)})",
-                                commit_properties=self._props())
+                where = f"source IN ({', '.join(_sql_string(s) for s in hit)})"
+                if doc_ids is not None:
+                    where += f" AND doc_id IN ({', '.join(_sql_string(d) for d in sorted(doc_ids))})"
+                res = dt.delete(predicate=where, commit_properties=self._props())
                 removed = int(res.get("num_deleted_rows", 0))
         self.dead.supersede(keep, values)
         return removed

@@ -207,13 +207,14 @@ class ParquetStore:
         merges = Compaction(self.parts).recover() + self.dead.recover()
         return {"error_copies": len(copies), "compactions": merges}
 
-    def supersede(self, sources: set[str]) -> int:
+    def supersede(self, sources: set[str], doc_ids: set[str] | None = None) -> int:
         """Remove every committed row of ``sources`` (inputs replaced since their rows were
-        committed): result rows, their index, dead letters. Each part is rewritten alone,
+        committed; with ``doc_ids``, only those documents' rows: edited rows of a table
+        input): result rows, their index, dead letters. Each part is rewritten alone,
         crash-safely as a merge of one part (a record, the part without those rows, then the
         old part deleted), or deleted when every row goes. Returns the result rows removed."""
         self.recover()
-        keep, tag = not_from(sources)
+        keep, tag = not_from(sources, doc_ids)
         removed = Compaction(self.parts).rewrite(keep, tag, self.parts.indexes())
         self.dead.supersede(keep, tag)
         return removed

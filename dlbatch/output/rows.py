@@ -69,18 +69,23 @@ def result_table(rows: list[dict], include_text: bool, extra_fields=(), kept=Non
     return table
 
 
-def not_from(sources: set[str]):
+def not_from(sources: set[str], doc_ids: set[str] | None = None):
     """(keep, tag): ``keep(table)`` is the rows of ``table`` whose input file is none of
-    ``sources`` (`connectors.versions.source_files` of their ``source``); ``tag`` the sorted
-    sources as an Arrow array."""
+    ``sources`` (`connectors.versions.source_files` of their ``source``) — with ``doc_ids``,
+    whose input file is none of them or whose document is none of those (edited rows of a
+    table input, `dlbatch.driver.edits`); ``tag`` the sorted sources (and ids) as an Arrow array."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     from connectors.versions import source_files
 
     values = pa.array(sorted(sources), pa.string())
+    ids = None if doc_ids is None else pa.array(sorted(doc_ids), pa.string())
 
     def keep(t):
-        return t.filter(pc.invert(pc.is_in(source_files(t.column("source")), value_set=values)))
+        hit = pc.is_in(source_files(t.column("source")), value_set=values)
+        if ids is not None:
+            hit = pc.and_(hit, pc.is_in(t.column("doc_id"), value_set=ids))
+        return t.filter(pc.invert(hit))
 
-    return keep, values
+    return keep, (values if ids is None else pa.concat_arrays([values, ids]))

@@ -69,9 +69,10 @@ class Store(Protocol):
         committed dead letters, merges, pending files — so progress reads each row once.
         Returns counts of what it did (all 0: nothing was left)."""
 
-    def supersede(self, sources: set[str]) -> int:
+    def supersede(self, sources: set[str], doc_ids: set[str] | None = None) -> int:
         """Remove every committed row and dead letter of the input files ``sources`` (replaced
-        since their rows were committed), crash-safely. Returns the result rows removed."""
+        since their rows were committed; with ``doc_ids``, of those documents only: edited
+        rows of a table input), crash-safely. Returns the result rows removed."""
 
     def compact(self, min_parts: int = ...) -> dict:
         """Merge small data files into large ones when more than ``min_parts`` exist; every

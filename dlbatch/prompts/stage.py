@@ -66,6 +66,9 @@ class PromptStage:
         self.map_reduce = map_reduce   # True: `chunk` documents become ChunkPlan map rows
         # ids not to redo: a SkipSet (8 bytes per id) from the driver, or any iterable of ids
         self.skip = skip_doc_ids if isinstance(skip_doc_ids, SkipSet) else SkipSet(skip_doc_ids or ())
+        from dlbatch.prompts.doc_identity import DocIdentity
+
+        self.identity = DocIdentity.for_job(spec, preprocess)  # a table row's id and version
 
     def _render(self, k: int, ctx: dict):
         """Task k's prompt text, or its chat (a list of messages) for a ``messages`` task."""
@@ -79,7 +82,7 @@ class PromptStage:
         rows = batch.to_pylist() if hasattr(batch, "to_pylist") else batch
         out: list[dict] = []
         for doc in rows:
-            doc = repair_row(doc)
+            doc = self.identity.apply(repair_row(doc))
             if doc["doc_id"] in self.skip:
                 continue
             out.extend(self._guarded(doc))
@@ -90,7 +93,7 @@ class PromptStage:
 
     def process(self, doc: dict) -> list[dict]:
         """A document's request rows (see `_process`); never raises for a document."""
-        return self._guarded(repair_row(doc))
+        return self._guarded(self.identity.apply(repair_row(doc)))
 
     def _guarded(self, doc: dict) -> list[dict]:
         try:
@@ -98,7 +101,7 @@ class PromptStage:
         except Exception as e:  # noqa: BLE001 - the document's dead letter, not the batch's failure
             log.warning("prompt building failed for %s: %s: %s", doc.get("doc_id"), type(e).__name__, e)
             base = {"doc_id": str(doc.get("doc_id")), "source": str(doc.get("source")), "title": doc.get("title"),
-                    "pages": doc.get("pages"),
+                    "pages": doc.get("pages"), "doc_version": doc.get("doc_version"),
                     "text": doc.get("text") if self.spec.output.include_text else None}
             return [self._error(base, "prompt", type(e).__name__, f"prompt building failed: {e}"[:500])]
 
@@ -113,7 +116,8 @@ class PromptStage:
         map-reduce (dlbatch/prompts/longdoc.py)."""
         spec = self.spec
         base = {"doc_id": doc["doc_id"], "source": doc["source"], "title": doc.get("title"),
-                "pages": doc.get("pages"), "text": doc.get("text") if spec.output.include_text else None,
+                "pages": doc.get("pages"), "doc_version": doc.get("doc_version"),
+                "text": doc.get("text") if spec.output.include_text else None,
                 "columns": doc.get("columns") if self.keep else None}
         if doc.get("error"):
             return [self._error(base, "parse", doc.get("error_type") or "ParseError", doc["error"])]
@@ -312,4 +316,4 @@ def request_schema():
                       ("error_type", pa.string()), ("error", pa.string()),
                       ("long_input_policy", pa.string()), ("doc_tokens", pa.int64()), ("kept_tokens", pa.int64()),
                       ("chunk_index", pa.int64()), ("chunk_count", pa.int64()), ("chunk_plan", pa.string()),
-                      ("columns", pa.binary()), ("sampling", pa.string())])
+                      ("columns", pa.binary()), ("sampling", pa.string()), ("doc_version", pa.string())])

@@ -100,6 +100,7 @@ class RunReport:
         self.already_done, self.already_failed = already_done, already_failed
         self.inputs_deleted: list[str] = []  # sources with committed rows that the input no longer lists
         self.inputs_replaced: list[str] = []  # inputs whose content changed: old rows superseded, redone
+        self.rows_edited = 0  # documents of table inputs edited since committed: old rows superseded, redone
         self.startup = StartupClock(t_start)  # where the time before the first token went
         self.gen = GenerationTimeline(t_start)  # tokens by the time workers generated them
         self.commits: list[dict] = []  # one point per commit: the commit-time timeline
@@ -178,6 +179,7 @@ class RunReport:
             "orphans": orphans or {"count": 0, "parts": []},
             "inputs_deleted": {"count": len(self.inputs_deleted), "sources": self.inputs_deleted[:100]},
             "inputs_replaced": {"count": len(self.inputs_replaced), "sources": self.inputs_replaced[:100]},
+            "rows_edited": self.rows_edited,
         }
         report.update(self._startup_report())
         if self.plan and self.plan.get("usd_per_hour"):
