@@ -60,12 +60,14 @@ class InvalidRequest(ValueError):
 # ------------------------------------------------------------------ reading
 
 
-def read_openai_batch(path: str, fs) -> Iterator[dict]:
-    """One row per non-blank line of an OpenAI batch request file (see the module docstring)."""
+def read_openai_batch(path: str, fs, part=None) -> Iterator[dict]:
+    """One row per non-blank line of an OpenAI batch request file (see the module docstring),
+    or of a byte-range part of it (`connectors.part.Part`; its lines keep their numbers)."""
     from .columns import pack
+    from .part import WHOLE
     from .text_sources import jsonl_lines
 
-    for number, raw, source in jsonl_lines(fs, path):
+    for number, raw, source in jsonl_lines(fs, path, part or WHOLE):
         row = _line_row(raw, source, number)
         if not row["error"]:
             rec = json.loads(raw)

@@ -144,6 +144,38 @@ def test_reader_rows_and_bad_lines(tmp_path):
     assert "duplicate custom_id 'a'" in rows[6]["error"] and rows[6]["doc_id"] != "a"
 
 
+def test_reader_parts_keep_line_numbers_and_custom_ids(tmp_path):
+    """A request file cut into byte-range read tasks: the parts' rows are the file's rows, each
+    line keeping its number (the export's order); a custom_id repeated inside a part is that
+    part's DuplicateId row, one repeated across parts reaches the driver under both sources
+    (its `Duplicates` dead-letters the later one, tests/test_duplicate_ids.py)."""
+    from connectors.listing import read_document_file
+    from connectors.parse import parse_file
+    from connectors.read_tasks import plan_read_tasks
+    from connectors.splits import TaskSizes
+
+    lines = []
+    for i in range(40):
+        lines.append(_line(f"r{i}", messages=[{"role": "user", "content": f"question {i} " + "x" * (i % 7)}]))
+        if i % 9 == 0:
+            lines += ["", f"{{not json {i}"]
+    lines += [_line("r3", messages=MSGS)]  # r3 again, in the last part
+    path = _write(tmp_path / "b.jsonl", lines)
+    whole = list(read_document_file(path, "openai_batch"))
+    tasks = plan_read_tasks([(path, None)], "openai_batch", sizes=TaskSizes(target=600), first_bytes=200)
+    assert len(tasks) > 4
+    rows = [r for t in tasks for r in parse_file(t.row(), "openai_batch", "text", None, None, None)]
+    assert [r["source"] for r in rows] == [r["source"] for r in whole]
+    assert [r["doc_id"] for r in rows[:-1]] == [r["doc_id"] for r in whole[:-1]]
+    assert whole[-1]["error_type"] == "DuplicateId" and "duplicate custom_id 'r3'" in whole[-1]["error"]
+    last = rows[-1]  # across parts: a good row under its own line, for the driver to catch
+    assert (last["doc_id"], last["error"], last["source"]) == ("r3", None, whole[-1]["source"])
+    dup = _write(tmp_path / "d.jsonl", [_line("a", messages=MSGS), _line("a", messages=MSGS)])
+    (one,) = plan_read_tasks([(dup, None)], "openai_batch", sizes=TaskSizes(target=1 << 20))
+    assert [r["error_type"] for r in parse_file(one.row(), "openai_batch", "text", None, None, None)] == \
+        [None, "DuplicateId"]  # inside one part, as inside a file
+
+
 # ---------------------------------------------------------------------------- the job file
 
 
