@@ -290,8 +290,12 @@ def test_exporter_lines_parse_as_the_api_types():
 
 
 @pytest.mark.ray
-def test_openai_batch_job_end_to_end(ray_local, sample_model, tmp_path):
+def test_openai_batch_job_end_to_end(ray_local, sample_model, tmp_path, monkeypatch):
+    """The request file read in byte-range parts (connectors/read_tasks.py): the export is in
+    input order all the same (file, line number)."""
     import jsonschema
+
+    import connectors.read_tasks as read_tasks
     from openai.types import BatchError, Completion
     from openai.types.chat import ChatCompletion
 
@@ -310,6 +314,9 @@ def test_openai_batch_job_end_to_end(ray_local, sample_model, tmp_path):
     ]
     (tmp_path / "in").mkdir()
     path = _write(tmp_path / "in" / "requests.jsonl", lines)
+    monkeypatch.setattr(read_tasks, "READ_TASK_BYTES", 200)
+    monkeypatch.setattr(read_tasks, "FIRST_TASK_BYTES", 100)
+    assert len(read_tasks.plan_read_tasks([(path, None)], "openai_batch")) >= 4
     spec = parse_job(_job(tmp_path, path, model={"dtype": "float32", "max_model_len": 1024},
                           cluster={"colocated": {"chip": "fast", "replicas": 1, "num_cpus": 0.5}}))
     report = JobRunner(spec, fresh=True, progress=False).run()
