@@ -40,8 +40,8 @@ from itertools import islice
 from typing import Iterator
 
 from .formats import FORMATS, ReadOptions, input_format
-from .part import WHOLE, Part
 from .io_retry import call_with_retry
+from .part import WHOLE, Part
 from .records import DuplicateIds
 from .repair import repair_id, unescape_name
 from .secrets import resolve_options

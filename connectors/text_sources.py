@@ -28,8 +28,8 @@ import logging
 import tempfile
 from typing import Iterator
 
-from .part import WHOLE, Part
 from .io_retry import call_with_retry
+from .part import WHOLE, Part
 from .records import (CORRUPT_FILE, DECODE_ERROR, EMPTY_DOCUMENT, MALFORMED_JSON, error_row, ok_row,
                       record_to_row)
 

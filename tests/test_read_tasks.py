@@ -180,3 +180,42 @@ def test_task_rows_round_trip_and_sizes():
         Part(5, 3)
     with pytest.raises(ValueError, match=">= 1"):
         TaskSizes(target=0)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_job_over_one_large_file_resumes_after_kill9_exactly_once(raytmp, tmp_path):
+    """`dlbatch run` over one JSONL file of 6,000 documents (about 6 MiB: parts of 1, 2 and
+    3 MiB at the default sizes) on the bench's tiny model, killed -9 with the group and its Ray
+    once some documents are committed, then run again: every document once, its source the
+    line it is on."""
+    import subprocess
+    import sys
+    import time
+
+    from dlbatch.bench.scale import write_docs, write_job
+    from dlbatch.bench.tiny_model import make_tiny_model
+    from tests.helpers.jobs import REPO, committed_parts, kill_group_and_ray, output_rows, ray_env
+
+    n = 6000
+    src = write_docs(str(tmp_path / "docs.jsonl"), n, 150)
+    assert len(plan_read_tasks([(src, None)], "jsonl")) >= 3
+    out = str(tmp_path / "out")
+    job = write_job(str(tmp_path / "job.yaml"), src, out, make_tiny_model(str(tmp_path / "model")), 1)
+    cmd = [sys.executable, "-m", "dlbatch.cli", "run", job, "--no-progress", "--commit-docs", "64",
+           "--commit-seconds", "0"]
+    with open(tmp_path / "run1.log", "wb") as logf:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=ray_env(raytmp), stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None and not committed_parts(out):
+            time.sleep(0.05)
+        kill_group_and_ray(proc, raytmp)
+    first = output_rows(out)
+    assert 0 < len(first) < n, (len(first), (tmp_path / "run1.log").read_text()[-2000:])
+    again = subprocess.run(cmd, cwd=REPO, env=ray_env(raytmp), capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = output_rows(out)
+    assert sorted(r["doc_id"] for r in rows) == [f"d{i:07d}" for i in range(n)]  # each once
+    assert all(r["source"] == f"{src}#line{int(r['doc_id'][1:]) + 1}" for r in rows)
+    assert {(r["doc_id"], r["output"]) for r in first} <= {(r["doc_id"], r["output"]) for r in rows}
