@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Iterator
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
+from .part import WHOLE, Part
+
 log = logging.getLogger(__name__)
 
 SCHEME = "hf-dataset://"
@@ -272,8 +274,9 @@ def count_hub_rows(url: str, stop: int, storage_options: dict | None = None, **r
 
 
 def read_hub(url: str, text_field: str, id_field: str | None, title_field: str | None,
-             storage_options: dict | None = None, batch_size: int = 256) -> Iterator[dict]:
-    """Rows of the Hub dataset ``url`` names, in stored order, ``source`` ``<url>#<split>/row<N>``."""
+             storage_options: dict | None = None, batch_size: int = 256, part: Part = WHOLE) -> Iterator[dict]:
+    """Rows of the Hub dataset ``url`` names, in stored order, ``source`` ``<url>#<split>/row<N>``;
+    ``part``: its rows [start, stop) only."""
     import datasets
 
     ref = parse_hub_url(url)
@@ -284,16 +287,31 @@ def read_hub(url: str, text_field: str, id_field: str | None, title_field: str |
                                        storage_options=storage_options or None)
         except Exception as e:
             raise _explain(ref, e, why) from None
-        yield from iter_rows(ds, f"{url}#{ref.split}/row", text_field, id_field, title_field, batch_size)
+        if not part.whole:
+            ds = _rows(ds, part)
+        yield from iter_rows(ds, f"{url}#{ref.split}/row", text_field, id_field, title_field, batch_size,
+                             first=part.start)
+
+
+def _rows(ds, part: Part):
+    """The rows [part.start, part.stop) of a Dataset (selected, memory-mapped) or of a
+    streamed IterableDataset (skipped to, then taken)."""
+    import datasets
+
+    if isinstance(ds, datasets.IterableDataset):
+        ds = ds.skip(part.start)
+        return ds if part.stop is None else ds.take(part.stop - part.start)
+    stop = len(ds) if part.stop is None else min(part.stop, len(ds))
+    return ds.select(range(min(part.start, stop), stop))
 
 
 def iter_rows(ds, prefix: str, text_field: str, id_field: str | None, title_field: str | None,
-              batch_size: int = 256) -> Iterator[dict]:
+              batch_size: int = 256, first: int = 0) -> Iterator[dict]:
     """Rows of a Dataset or IterableDataset, read ``batch_size`` at a time as Arrow (the
-    same records whether streamed or not)."""
+    same records whether streamed or not); ``first``: the index of its first row (a part's)."""
     from .records import record_to_row
 
-    index = 0
+    index = first
     for table in ds.with_format("arrow").iter(batch_size=batch_size):
         for i, record in enumerate(table.to_pylist()):
             source = f"{prefix}{index}"

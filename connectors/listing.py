@@ -44,6 +44,7 @@ from typing import Iterator
 
 from .formats import FORMATS, ReadOptions, input_format
 from .io_retry import call_with_retry
+from .part import WHOLE, Part
 from .records import MAX_TEXT_CHARS, DuplicateIds, cut_text
 from .repair import repair_id, unescape_name
 from .secrets import masked, resolve_options
@@ -194,18 +195,21 @@ def _walk(fs, root: str, exts: tuple[str, ...], format: str) -> list[str]:
 def read_document_file(url: str, format: str, text_field: str = "text", id_field: str | None = None,
                        storage_options: dict | None = None, *, max_pages: int | None = None,
                        errors: str = "strict", title_field: str | None = "title",
-                       split: str | None = None, max_rows: int | None = None,
+                       split: str | None = None, max_rows: int | None = None, part: Part = WHOLE,
                        max_line_bytes: int | None = MAX_LINE_BYTES,
                        max_text_chars: int | None = MAX_TEXT_CHARS) -> Iterator[dict]:
-    """Rows of one input (a URL returned by :func:`list_inputs`).
+    """Rows of one input (a URL returned by :func:`list_inputs`), or of one part of it
+    (`connectors.part.Part`, as `connectors.splits` cuts them; a format without a
+    ``split`` is read whole: ValueError for a part of it).
 
     pdf -> one row (connectors.pdf.extract_pdf; ``max_pages`` caps pages read);
     jsonl / parquet -> one row per record; text -> one row per file (``errors``);
     hf -> rows of a saved dataset or data file (``split`` picks a DatasetDict split).
     Infrastructure errors (missing file after retries, permission) raise; bad content
     becomes error rows. ``max_rows``: the first rows only (:func:`limited_reads`).
-    With ``id_field``, a row whose id an earlier row of the file has becomes a
-    ``DuplicateId`` error row naming both sources (`connectors.records.DuplicateIds`);
+    With ``id_field``, a row whose id an earlier row of the file (of the part) has becomes a
+    ``DuplicateId`` error row naming both sources (`connectors.records.DuplicateIds`; across
+    the parts of a file, as across files, the driver's `Duplicates` does the same);
     openai_batch -> one row per request line, its id the line's ``custom_id`` (checked the same way).
     Bounds: a JSONL or request line over ``max_line_bytes`` is a ``LineTooLong`` error row, read
     past without being held; a document's text over ``max_text_chars`` is cut to it
@@ -213,10 +217,12 @@ def read_document_file(url: str, format: str, text_field: str = "text", id_field
     id is that of the whole text).
     """
     fmt = input_format(format)
+    if not part.whole and fmt.split is None:
+        raise ValueError(f"{url}: {format} inputs are read whole, not as {part}")
     options = ReadOptions(text_field=text_field, id_field=id_field, title_field=title_field, max_pages=max_pages,
                           errors=errors, split=split, storage_options=resolve_options(storage_options),
                           max_line_bytes=max_line_bytes, max_text_chars=max_text_chars)
-    rows = _read_rows(url, fmt, options)
+    rows = _read_rows(url, fmt, options, part)
     if max_text_chars is not None:
         rows = (cut_text(r, max_text_chars) for r in rows)
     id_field = fmt.id_field or id_field
@@ -225,20 +231,20 @@ def read_document_file(url: str, format: str, text_field: str = "text", id_field
     return rows if max_rows is None else islice(rows, max_rows)
 
 
-def _read_rows(url: str, fmt, options: ReadOptions) -> Iterator[dict]:
-    """The format's reader over one input; a Hub dataset through `connectors.hf_hub`."""
+def _read_rows(url: str, fmt, options: ReadOptions, part: Part) -> Iterator[dict]:
+    """The format's reader over one input (or a part of it); a Hub dataset through `connectors.hf_hub`."""
     from .hf_hub import is_hub_url
 
     if is_hub_url(url):
         from .hf_hub import read_hub
 
         yield from read_hub(url, options.text_field, options.id_field, options.title_field,
-                            storage_options=options.storage_options)
+                            storage_options=options.storage_options, part=part)
         return
     fs, fspath = _url_to_fs(url, options.storage_options)
     if unescape_name(url) != url:  # the readers open the URL they are given: the file system's spelling
         url = _url_of(fs, fspath)
-    yield from fmt.read(url, fs, fspath, options)
+    yield from fmt.read(url, fs, fspath, options, part)
 
 
 _VERSION_KEYS = ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified", "last_modified", "updated",

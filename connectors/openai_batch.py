@@ -66,12 +66,14 @@ class InvalidRequest(ValueError):
 # ------------------------------------------------------------------ reading
 
 
-def read_openai_batch(path: str, fs, max_line_bytes: int | None = MAX_LINE_BYTES) -> Iterator[dict]:
-    """One row per non-blank line of an OpenAI batch request file (see the module docstring)."""
+def read_openai_batch(path: str, fs, max_line_bytes: int | None = MAX_LINE_BYTES, part=None) -> Iterator[dict]:
+    """One row per non-blank line of an OpenAI batch request file (see the module docstring),
+    or of a byte-range part of it (`connectors.part.Part`; its lines keep their numbers)."""
     from .columns import pack
+    from .part import WHOLE
     from .text_sources import jsonl_lines, line_too_long
 
-    for line in jsonl_lines(fs, path, max_line_bytes):
+    for line in jsonl_lines(fs, path, max_line_bytes, part or WHOLE):
         if line.raw is None:
             yield line_too_long(line, max_line_bytes)
             continue

@@ -1,4 +1,5 @@
-"""Parse one input file into documents, as a Ray Data ``flat_map`` stage.
+"""Parse one read task (an input file, or a part of one: `connectors.read_tasks`) into
+documents, as a Ray Data ``flat_map`` stage.
 
 Nothing a file holds can fail the job; what the file cannot give becomes a row with ``error``
 and ``error_type`` that the prompt stage turns into a dead letter:
@@ -58,13 +59,17 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
                max_pages: int | None, *, max_file_bytes: int | None = MAX_FILE_BYTES,
                parse_timeout_s: float = PARSE_TIMEOUT_S, parse_memory_mb: int | None = PARSE_MEMORY_MB,
                max_line_bytes: int | None = MAX_LINE_BYTES, max_text_chars: int | None = MAX_TEXT_CHARS) -> list[dict]:
-    """One input file (``row["url"]``) -> its documents, error rows for bad ones."""
+    """One read task (``row``: `connectors.read_tasks.ReadTask.row`; ``{"url": ...}`` alone is
+    the whole file) -> its documents, error rows for bad ones. A task that fails as a whole is
+    one error row naming the file (and the part: `ReadTask.source`)."""
     from .isolate import ParserUnavailable
     from .listing import read_document_file
+    from .read_tasks import ReadTask
     from .records import error_row
     from .secrets import redact
 
-    url = row["url"]
+    task = ReadTask.of(row)
+    url = task.url
     try:
         too_large = _too_large(url, fmt, storage_options, max_file_bytes)
         if too_large is not None:
@@ -72,15 +77,16 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
         elif fmt == "pdf":
             out = [_parse_pdf(url, storage_options, max_pages, parse_timeout_s, parse_memory_mb, max_file_bytes,
                               max_text_chars)]
-        else:
-            first = {"max_rows": row["max_rows"]} if row.get("max_rows") is not None else {}  # input.limit's cut
+        else:  # max_rows: input.limit's cut of a file read whole
             out = list(read_document_file(url, fmt, text_field=text_field, id_field=id_field,
                                           storage_options=storage_options, max_pages=max_pages,
-                                          max_line_bytes=max_line_bytes, max_text_chars=max_text_chars, **first))
+                                          max_rows=task.max_rows, part=task.part,
+                                          max_line_bytes=max_line_bytes, max_text_chars=max_text_chars))
     except (FileNotFoundError, PermissionError, ParserUnavailable):
         raise
     except Exception as e:  # a file the reader cannot handle becomes a dead letter
-        out = [error_row(source=url, error_type=type(e).__name__, error=redact(f"{type(e).__name__}: {e}")[:500])]
+        out = [error_row(source=task.source, error_type=type(e).__name__,
+                         error=redact(f"{type(e).__name__}: {e}")[:500])]
     return [document_row(d) for d in out]
 
 

@@ -17,16 +17,24 @@ Bounded lines. A JSONL (or OpenAI batch) line longer than ``max_line_bytes`` is 
 :func:`bounded_lines` reads the file in chunks, keeps at most the cap plus one chunk, reads
 past the rest of an over-long line to its newline and yields it as its length only; the line
 is a ``LineTooLong`` error row naming its size and the cap (`line_too_long`).
+
+Each reader also reads one part of its input (`connectors.part.Part`, cut by
+`connectors.splits`): a JSONL byte range through `open_part` (its lines numbered from the
+part's first line), a Parquet file's rows through the row groups that hold them, a dataset's
+rows through ``Dataset.select``. The rows of a file's parts, in order, are the rows of the
+whole file, sources included.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import tempfile
 from typing import Iterator, NamedTuple
 
 from .io_retry import call_with_retry
+from .part import WHOLE, Part
 from .records import (CORRUPT_FILE, DECODE_ERROR, EMPTY_DOCUMENT, LINE_TOO_LONG, MALFORMED_JSON, error_row, ok_row,
                       record_to_row)
 
@@ -56,6 +64,46 @@ def _open(fs, path: str, compression: str | None = None):
     def do_open():
         return fs.open(path, "rb", compression=compression) if compression else fs.open(path, "rb")
     return call_with_retry(do_open, op=f"open {path}")
+
+
+class _ByteRange(io.RawIOBase):
+    """The bytes [start, stop) of an open file (stop None: to its end), as a raw stream that
+    `io.BufferedReader` reads lines from; closing it closes the file."""
+
+    def __init__(self, f, start: int, stop: int | None):
+        self._f = f
+        f.seek(start)
+        self._left = None if stop is None else stop - start
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = len(b) if self._left is None else min(len(b), self._left)
+        if n <= 0:
+            return 0
+        data = self._f.read(n)
+        b[:len(data)] = data
+        if self._left is not None:
+            self._left -= len(data)
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()
+
+
+def open_part(fs, path: str, part: Part = WHOLE):
+    """Open a JSON Lines file for reading ``part`` of it: the whole file, decompressed by its
+    suffix, or the bytes of a byte-range part only (an uncompressed file: a compressed one
+    cannot be entered in the middle, so it is never cut)."""
+    compression = _compression_for(path)
+    if part.whole:
+        return _open(fs, path, compression)
+    if compression:
+        raise ValueError(f"{path}: a {compression} file is read whole, not from byte {part.start}")
+    return io.BufferedReader(_ByteRange(_open(fs, path), part.start, part.stop), buffer_size=1 << 20)
 
 
 def _compression_for(path: str) -> str | None:
@@ -127,11 +175,12 @@ class Line(NamedTuple):
     head: bytes = b""
 
 
-def jsonl_lines(fs, path: str, max_line_bytes: int | None = MAX_LINE_BYTES) -> Iterator[Line]:
-    """Every non-blank line of a JSON Lines file (compressed by its suffix), each over
-    ``max_line_bytes`` without its bytes (:func:`bounded_lines`)."""
-    with _open(fs, path, _compression_for(path)) as f:
-        for number, (raw, size, head) in enumerate(bounded_lines(f, max_line_bytes), start=1):
+def jsonl_lines(fs, path: str, max_line_bytes: int | None = MAX_LINE_BYTES, part: Part = WHOLE) -> Iterator[Line]:
+    """Every non-blank line of a JSON Lines file (compressed by its suffix), or of a part of
+    it (numbered from the part's first line), each over ``max_line_bytes`` without its bytes
+    (:func:`bounded_lines`)."""
+    with open_part(fs, path, part) as f:
+        for number, (raw, size, head) in enumerate(bounded_lines(f, max_line_bytes), start=part.line):
             if raw is not None:
                 raw = raw.rstrip(b"\r")
                 if not raw.strip():
@@ -148,10 +197,11 @@ def line_too_long(line: Line, max_line_bytes: int | None) -> dict:
 
 def read_jsonl(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | None = None,
                fs=None, title_field: str | None = DEFAULT_TITLE_FIELD,
-               storage_options: dict | None = None, max_line_bytes: int | None = MAX_LINE_BYTES) -> Iterator[dict]:
+               storage_options: dict | None = None, max_line_bytes: int | None = MAX_LINE_BYTES,
+               part: Part = WHOLE) -> Iterator[dict]:
     """One row per non-blank line of a JSON Lines file (``.jsonl``, ``.json``, ``.jsonl.gz``)."""
     fs = _fs_for(path, fs, storage_options)
-    for line in jsonl_lines(fs, path, max_line_bytes):
+    for line in jsonl_lines(fs, path, max_line_bytes, part):
         number, raw, source = line.number, line.raw, line.source
         if raw is None:
             yield line_too_long(line, max_line_bytes)
@@ -179,8 +229,9 @@ def read_jsonl(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | 
 
 def read_parquet(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | None = None,
                  fs=None, title_field: str | None = DEFAULT_TITLE_FIELD,
-                 storage_options: dict | None = None, batch_size: int = 1024) -> Iterator[dict]:
-    """One row per Parquet row, its other columns with their types in ``columns``."""
+                 storage_options: dict | None = None, batch_size: int = 1024, part: Part = WHOLE) -> Iterator[dict]:
+    """One row per Parquet row, its other columns with their types in ``columns``; a part's
+    rows are read from the row groups that hold them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -199,19 +250,36 @@ def read_parquet(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str 
         if text_field not in names:
             log.warning("%s: text field %r is not a column (columns: %s)", path, text_field,
                         sorted(names))
-        index = 0
+        stop = pf.metadata.num_rows if part.stop is None else min(part.stop, pf.metadata.num_rows)
         if not wanted:  # nothing we need exists: every row is a MissingField row
-            for _ in range(pf.metadata.num_rows):
+            for index in range(part.start, stop):
                 yield record_to_row({}, f"{path}#row{index}", text_field, id_field, title_field,
                                     raw=f"{path}#row{index}")
-                index += 1
             return
-        for batch in pf.iter_batches(batch_size=batch_size):  # every column: templates and keep_columns
-            for i, record in enumerate(batch.select(wanted).to_pylist()):
-                source = f"{path}#row{index}"
+        groups, index = _row_groups(pf.metadata, part.start, stop)
+        if not groups:
+            return
+        for batch in pf.iter_batches(batch_size=batch_size, row_groups=groups):  # every column: templates, keep_columns
+            lo, hi = max(0, part.start - index), min(batch.num_rows, stop - index)
+            for i, record in enumerate(batch.select(wanted).slice(lo, max(0, hi - lo)).to_pylist(), start=lo):
+                source = f"{path}#row{index + i}"
                 yield record_to_row(record, source, text_field, id_field, title_field,
                                     raw=None if record.get(text_field) else source, arrow=batch.slice(i, 1))
-                index += 1
+            index += batch.num_rows
+            if index >= stop:
+                return
+
+
+def _row_groups(metadata, start: int, stop: int) -> tuple[list[int], int]:
+    """(the row groups holding rows [start, stop), the file's index of their first row)."""
+    groups, first, at = [], None, 0
+    for g in range(metadata.num_row_groups):
+        n = metadata.row_group(g).num_rows
+        if at < stop and at + n > start:
+            groups.append(g)
+            first = at if first is None else first
+        at += n
+    return groups, (first if first is not None else start)
 
 
 # ------------------------------------------------------------------ text
@@ -291,24 +359,27 @@ def _builder_for(path: str) -> str | None:
 
 def read_hf(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | None = None,
             split: str | None = None, title_field: str | None = DEFAULT_TITLE_FIELD,
-            storage_options: dict | None = None) -> Iterator[dict]:
+            storage_options: dict | None = None, part: Part = WHOLE) -> Iterator[dict]:
     """Rows from a dataset saved with ``save_to_disk`` (``datasets.load_from_disk``) or from
     local JSON/Parquet data files (``datasets.load_dataset(builder, data_files=...)``).
     Never touches the hub. A JSON data file that ``datasets`` cannot parse is re-read line
-    by line with :func:`read_jsonl`, so bad lines become error rows."""
+    by line with :func:`read_jsonl`, so bad lines become error rows. ``part``: rows of a saved
+    dataset (its chosen splits one after another, `dataset_splits`); a data file is read whole."""
     with hf_offline():
         import datasets
 
         if is_saved_dataset_dir(path, storage_options=storage_options):
             ds = call_with_retry(datasets.load_from_disk, path, storage_options=storage_options,
                                  op=f"load_from_disk {path}")
-            yield from _iter_dataset(ds, path, text_field, id_field, split, title_field)
+            yield from _iter_dataset(ds, path, text_field, id_field, split, title_field, part)
             return
         builder = _builder_for(path)
         if builder is None:
             raise ValueError(f"{path}: not a saved dataset directory (no dataset_info.json + "
                              f"state.json, or dataset_dict.json) and not a .json/.jsonl/.parquet "
                              f"data file")
+        if not part.whole:
+            raise ValueError(f"{path}: a data file read through datasets is read whole, not as {part}")
         with tempfile.TemporaryDirectory(prefix="dlbatch-hf-") as cache_dir:
             try:
                 ds = datasets.load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir,
@@ -324,21 +395,34 @@ def read_hf(path: str, text_field: str = DEFAULT_TEXT_FIELD, id_field: str | Non
             yield from _iter_dataset(ds, path, text_field, id_field, split, title_field)
 
 
-def _iter_dataset(ds, path: str, text_field: str, id_field: str | None, split: str | None,
-                  title_field: str | None) -> Iterator[dict]:
+def dataset_splits(ds, path: str, split: str | None) -> list:
+    """[(source prefix, Dataset)] of what a job reads of a loaded dataset, in reading order:
+    a Dataset itself (``<path>#row``), or a DatasetDict's ``split`` (else every split, sorted:
+    ``<path>#<split>/row``). A part's rows count through them one after another."""
     import datasets
 
     if isinstance(ds, datasets.DatasetDict):
         if split is not None and split not in ds:
             raise ValueError(f"{path}: no split {split!r} (splits: {sorted(ds)})")
-        for name in ([split] if split else sorted(ds)):
-            yield from _iter_split(ds[name], f"{path}#{name}/row", text_field, id_field, title_field)
-    else:
-        yield from _iter_split(ds, f"{path}#row", text_field, id_field, title_field)
+        return [(f"{path}#{name}/row", ds[name]) for name in ([split] if split else sorted(ds))]
+    return [(f"{path}#row", ds)]
+
+
+def _iter_dataset(ds, path: str, text_field: str, id_field: str | None, split: str | None,
+                  title_field: str | None, part: Part = WHOLE) -> Iterator[dict]:
+    offset = 0
+    for prefix, d in dataset_splits(ds, path, split):
+        n = len(d)
+        lo = max(part.start - offset, 0)
+        hi = n if part.stop is None else min(part.stop - offset, n)
+        if hi > lo:
+            yield from _iter_split(d if (lo, hi) == (0, n) else d.select(range(lo, hi)), prefix, text_field,
+                                   id_field, title_field, first=lo)
+        offset += n
 
 
 def _iter_split(ds, prefix: str, text_field: str, id_field: str | None,
-                title_field: str | None) -> Iterator[dict]:
+                title_field: str | None, first: int = 0) -> Iterator[dict]:
     from .hf_hub import iter_rows  # every column, with its Arrow type (templates, keep_columns)
 
-    yield from iter_rows(ds, prefix, text_field, id_field, title_field)
+    yield from iter_rows(ds, prefix, text_field, id_field, title_field, first=first)

@@ -237,7 +237,9 @@ def test_scale_bench_quick(tmp_path, capsys):
     assert r["noop_s"] > 0 and r["status_s"] > 0
     assert _close(b["docs_per_s_pipeline"], 200 / b["pipeline_s"]) and b["docs_per_s_e2e"] > 0
     assert _close(lim["docs_per_s"], 200 / lim["wall_s"])
-    assert [t["met"] is not None for t in r["targets_met"]] == [True] * 6
+    assert [t["met"] is not None for t in r["targets_met"]] == [True] * 7
+    assert r["files"] == 1 and 0 < o["first_batch_s"] < o["wall_s"]
+    assert o["prompt_rss_bytes"] > 0 and o["runs"][0]["prompt_actors"] >= 1  # the prompt actors were found
     for line in ("generation phase", "end to end", "baseline Ray Data", "limit (pyarrow", "driver peak RSS",
-                 "no-op rerun", "dlbatch status", "RSS growth", "PASS"):
+                 "no-op rerun", "dlbatch status", "RSS growth", "first batch", "prompt-actor peak RSS", "PASS"):
         assert line in printed, line

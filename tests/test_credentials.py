@@ -204,12 +204,15 @@ def test_prompt_stage_gets_the_job_without_storage_options():
 
 
 @pytest.mark.ray
-def test_no_storage_option_among_the_pipelines_task_and_actor_arguments(ray_local, tmp_path):
+def test_no_storage_option_among_the_pipelines_task_and_actor_arguments(ray_local, tmp_path, monkeypatch):
     """The papers pipeline as built for a run: the parse task's kwargs and the prompt actors'
-    constructor kwargs, pickled as Ray ships them, hold no credential."""
+    constructor kwargs, pickled as Ray ships them, hold no credential (the driver, which
+    lists the inputs and cuts them into read tasks, resolves the options on its side)."""
     from ray import cloudpickle
 
     from pipelines.papers import build
+
+    monkeypatch.setenv("DLB_TEST_SECRET", SECRET)
 
     doc = tmp_path / "docs.jsonl"
     doc.write_text('{"id": "a", "text": "hello"}\n')

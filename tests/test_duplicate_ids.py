@@ -136,3 +136,42 @@ def test_job_with_one_id_in_two_files_and_a_rerun(ray_local, sample_model, tmp_p
     rows = output_rows(out)
     assert len(rows) == 9 and len({(r["doc_id"], r["task"]) for r in rows}) == 9
     assert ParquetStore(out).errors().num_rows == 1
+
+
+@pytest.mark.ray
+def test_one_id_in_two_read_tasks_of_one_file_and_a_rerun(ray_local, sample_model, tmp_path, monkeypatch):
+    """One file cut into read tasks (connectors/read_tasks.py): an id repeated inside a part is
+    that part's DuplicateId (stage "parse", the earlier line is the document, as in a file read
+    whole); one repeated across parts reaches the driver under both sources, and `Duplicates`
+    dead-letters the copy that comes second (stage "read"), naming both lines. A rerun redoes
+    nothing."""
+    import connectors.read_tasks as read_tasks
+    from dlbatch.output.parquet_store import ParquetStore
+    from tests.helpers.jobs import output_rows, run_job
+
+    ids = ["p0", "p1", "p2", "p3", "p3", "p5", "p6", "p7", "p1", "p9"]  # p3: lines 4-5; p1: lines 2 and 9
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"id": d, "text": f"Paper {i} on coastal fog and tides. " * 8}) + "\n"
+                           for i, d in enumerate(ids)))
+    monkeypatch.setattr(read_tasks, "READ_TASK_BYTES", 800)  # lines of 297 bytes: parts of lines 1-3, 4-6, 7-9, 10
+    monkeypatch.setattr(read_tasks, "FIRST_TASK_BYTES", 800)
+    tasks = read_tasks.plan_read_tasks([(str(src), None)], "jsonl")
+    part_of = {line: next(i for i, t in enumerate(tasks) if t.part.line <= line
+                          and (i + 1 == len(tasks) or line < tasks[i + 1].part.line)) for line in range(1, 11)}
+    assert part_of[4] == part_of[5] and part_of[2] != part_of[9]  # one repeat inside a part, one across parts
+    out = str(tmp_path / "out")
+    extra = [f"input.path={src}", "input.id_field=id"]
+    run_job("jobs/papers_jsonl.yaml", out, extra)
+    rows = output_rows(out)
+    assert sorted({r["doc_id"] for r in rows}) == sorted(set(ids)) and len(rows) == 3 * len(set(ids))
+    assert {r["source"] for r in rows if r["doc_id"] == "p3"} == {f"{src}#line4"}
+    errors = {e["error_type"] + ":" + e["stage"]: e for e in ParquetStore(out).errors().to_pylist()}
+    assert sorted(errors) == ["DuplicateId:parse", "DuplicateId:read"]
+    inside, across = errors["DuplicateId:parse"], errors["DuplicateId:read"]
+    assert inside["source"] == f"{src}#line5" and f"{src}#line4" in inside["error"] and "'p3'" in inside["error"]
+    p1 = {r["source"] for r in rows if r["doc_id"] == "p1"}
+    (other,) = {f"{src}#line2", f"{src}#line9"} - p1
+    assert across["source"] == other and next(iter(p1)) in across["error"] and "'p1'" in across["error"]
+    again = run_job("jobs/papers_jsonl.yaml", out, extra)
+    assert again.get("noop") is True and len(output_rows(out)) == len(rows)
+    assert ParquetStore(out).errors().num_rows == 2

@@ -98,6 +98,29 @@ def test_streaming_gives_the_same_rows(offline_hub):
     assert isinstance(ds, datasets.IterableDataset)  # what streaming reads: lazily, never whole
 
 
+def test_a_hub_split_is_read_in_row_parts(offline_hub):
+    """Read tasks of a Hub dataset (connectors/read_tasks.py): its split cut by rows from the
+    sizes the dataset states, each part's rows numbered as in the whole split; a streamed
+    dataset is one task, and a part of it reads the same rows."""
+    from connectors.part import WHOLE, Part
+    from connectors.parse import parse_file
+    from connectors.read_tasks import plan_read_tasks
+    from connectors.splits import TaskSizes
+
+    url = hub_url("org/name", config="en")
+    whole = _texts(url)
+    tasks = plan_read_tasks([(url, None)], "hf", sizes=TaskSizes(target=1), first_bytes=1)
+    assert [(t.part.start, t.part.stop) for t in tasks] == [(0, 1), (1, 2), (2, None)]
+    rows = [r for t in tasks for r in parse_file(t.row(), "hf", "text", None, None, None)]
+    assert [(r["source"].rsplit("#", 1)[1], r["text"], r["doc_id"], r["error"]) for r in rows] == whole
+    capped = plan_read_tasks([(url, 2)], "hf", sizes=TaskSizes(target=1), first_bytes=1)
+    assert [(t.part.start, t.part.stop, t.max_rows) for t in capped] == [(0, 1, None), (1, 2, None)]
+    streamed = hub_url("org/name", config="en", streaming=True)
+    (one,) = plan_read_tasks([(streamed, None)], "hf", sizes=TaskSizes(target=1), first_bytes=1)
+    assert one.part == WHOLE
+    assert _texts(streamed, part=Part(1, 3)) == whole[1:3]
+
+
 def test_unknown_id_config_split_are_one_clear_error(offline_hub):
     with pytest.raises(HubDatasetError, match=r"'org/name' config 'de': no such config .*en, fr"):
         list_inputs(hub_url("org/name", config="de"), "hf")

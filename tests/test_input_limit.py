@@ -104,3 +104,28 @@ def test_limit_over_several_files_gives_the_same_documents_on_every_run(ray_loca
         ds = build(spec, files, set(), max_model_len=spec.model.max_model_len, parse_concurrency=4)
         seen.append(sorted({r["doc_id"] for r in ds.iter_rows()}))
     assert seen[0] == seen[1] == [f"a{i:05d}" for i in range(5)]
+
+
+@pytest.mark.ray
+def test_limit_over_the_parts_of_one_file_gives_the_same_documents_on_every_run(ray_local, sample_model, tmp_path,
+                                                                                 monkeypatch):
+    """One file cut into read tasks (connectors/read_tasks.py) that several prompt actors
+    parse in parallel: the limit's rows are the file's first N, whatever part finishes first."""
+    import connectors.read_tasks as read_tasks
+    from dlbatch.jobspec import load_job
+    from pipelines.papers import build
+
+    src = tmp_path / "in"
+    src.mkdir()
+    _jsonl(src / "a.jsonl", [f"a{i:05d}" for i in range(2000)], blank_every=5, pad="y" * 20)
+    monkeypatch.setattr(read_tasks, "READ_TASK_BYTES", 4096)
+    monkeypatch.setattr(read_tasks, "FIRST_TASK_BYTES", 512)
+    files = list_inputs(str(src), "jsonl")
+    spec = load_job("jobs/papers_jsonl.yaml", [f"input.path={src}", "input.id_field=id", "input.limit=300",
+                                               f"output.path={tmp_path / 'out'}", "model.max_model_len=2048"])
+    assert len(read_tasks.plan_read_tasks(limited_reads(files, "jsonl", 300), "jsonl")) > 4
+    seen = []
+    for _ in range(2):
+        ds = build(spec, files, set(), max_model_len=spec.model.max_model_len, parse_concurrency=4)
+        seen.append(sorted({r["doc_id"] for r in ds.iter_rows()}))
+    assert seen[0] == seen[1] == [f"a{i:05d}" for i in range(300)]

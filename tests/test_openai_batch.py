@@ -169,6 +169,38 @@ def test_a_repeated_custom_id_refuses_the_job_naming_the_lines(tmp_path, capsys,
     assert len(list_inputs(str(tmp_path / "in"), "openai_batch")) == 2  # unique ids: listed
 
 
+def test_reader_parts_keep_line_numbers_and_custom_ids(tmp_path):
+    """A request file cut into byte-range read tasks: the parts' rows are the file's rows, each
+    line keeping its number (the export's order); a custom_id repeated inside a part is that
+    part's DuplicateId row, one repeated across parts reaches the driver under both sources
+    (its `Duplicates` dead-letters the later one, tests/test_duplicate_ids.py)."""
+    from connectors.listing import read_document_file
+    from connectors.parse import parse_file
+    from connectors.read_tasks import plan_read_tasks
+    from connectors.splits import TaskSizes
+
+    lines = []
+    for i in range(40):
+        lines.append(_line(f"r{i}", messages=[{"role": "user", "content": f"question {i} " + "x" * (i % 7)}]))
+        if i % 9 == 0:
+            lines += ["", f"{{not json {i}"]
+    lines += [_line("r3", messages=MSGS)]  # r3 again, in the last part
+    path = _write(tmp_path / "b.jsonl", lines)
+    whole = list(read_document_file(path, "openai_batch"))
+    tasks = plan_read_tasks([(path, None)], "openai_batch", sizes=TaskSizes(target=600), first_bytes=200)
+    assert len(tasks) > 4
+    rows = [r for t in tasks for r in parse_file(t.row(), "openai_batch", "text", None, None, None)]
+    assert [r["source"] for r in rows] == [r["source"] for r in whole]
+    assert [r["doc_id"] for r in rows[:-1]] == [r["doc_id"] for r in whole[:-1]]
+    assert whole[-1]["error_type"] == "DuplicateId" and "duplicate custom_id 'r3'" in whole[-1]["error"]
+    last = rows[-1]  # across parts: a good row under its own line, for the driver to catch
+    assert (last["doc_id"], last["error"], last["source"]) == ("r3", None, whole[-1]["source"])
+    dup = _write(tmp_path / "d.jsonl", [_line("a", messages=MSGS), _line("a", messages=MSGS)])
+    (one,) = plan_read_tasks([(dup, None)], "openai_batch", sizes=TaskSizes(target=1 << 20))
+    assert [r["error_type"] for r in parse_file(one.row(), "openai_batch", "text", None, None, None)] == \
+        [None, "DuplicateId"]  # inside one part, as inside a file
+
+
 # ---------------------------------------------------------------------------- the job file
 
 
@@ -283,8 +315,12 @@ def test_exporter_lines_parse_as_the_api_types():
 
 
 @pytest.mark.ray
-def test_openai_batch_job_end_to_end(ray_local, sample_model, tmp_path):
+def test_openai_batch_job_end_to_end(ray_local, sample_model, tmp_path, monkeypatch):
+    """The request file read in byte-range parts (connectors/read_tasks.py): the export is in
+    input order all the same (file, line number)."""
     import jsonschema
+
+    import connectors.read_tasks as read_tasks
     from openai.types import BatchError, Completion
     from openai.types.chat import ChatCompletion
 
@@ -303,6 +339,9 @@ def test_openai_batch_job_end_to_end(ray_local, sample_model, tmp_path):
     ]
     (tmp_path / "in").mkdir()
     path = _write(tmp_path / "in" / "requests.jsonl", lines)
+    monkeypatch.setattr(read_tasks, "READ_TASK_BYTES", 200)
+    monkeypatch.setattr(read_tasks, "FIRST_TASK_BYTES", 100)
+    assert len(read_tasks.plan_read_tasks([(path, None)], "openai_batch")) >= 4
     spec = parse_job(_job(tmp_path, path, model={"dtype": "float32", "max_model_len": 1024},
                           cluster={"colocated": {"chip": "fast", "replicas": 1, "num_cpus": 0.5}}))
     report = JobRunner(spec, fresh=True, progress=False).run()

@@ -31,6 +31,16 @@ def _run(overrides):
     return report, rows, store
 
 
+@pytest.fixture
+def small_parts(monkeypatch):
+    """Read tasks of a few dozen bytes (connectors/read_tasks.py): every input of more than a
+    row or two is cut into parts, so a run reads it as a large file is read."""
+    import connectors.read_tasks as read_tasks
+
+    monkeypatch.setattr(read_tasks, "READ_TASK_BYTES", 64)
+    monkeypatch.setattr(read_tasks, "FIRST_TASK_BYTES", 32)
+
+
 def _check(report, rows, docs_ok, docs_failed):
     assert report["docs_ok"] == docs_ok and report["docs_failed"] == docs_failed
     assert len(rows) == 3 * docs_ok and report["rows_written"] == 3 * docs_ok
@@ -38,18 +48,20 @@ def _check(report, rows, docs_ok, docs_failed):
     assert all(r["output_tokens"] >= 1 and r["prompt_tokens"] > 20 for r in rows)
 
 
-def test_parquet_text_and_hf_inputs(ray_local, sample_model, tmp_path):
+def test_parquet_text_and_hf_inputs(ray_local, sample_model, tmp_path, small_parts):
     import datasets
 
-    # Parquet, with one row whose text is missing -> dead-lettered, the job goes on
+    # Parquet, with one row whose text is missing -> dead-lettered, the job goes on; a row
+    # group per row: read in parts (small_parts)
     pq.write_table(pa.table({"id": ["d1", "d2", "d3"], "body": [DOCS["d1"], DOCS["d2"], None]}),
-                   tmp_path / "docs.parquet")
+                   tmp_path / "docs.parquet", row_group_size=1)
     rep, rows, store = _run(["input.format=parquet", f"input.path={tmp_path / 'docs.parquet'}",
                              "input.text_field=body", "input.id_field=id", f"output.path={tmp_path / 'o-pq'}"])
     _check(rep, rows, 2, 1)
     assert {r["doc_id"] for r in rows} == {"d1", "d2"}
     errors = store.errors().to_pylist()
-    assert [(e["doc_id"], e["error_type"]) for e in errors] == [("d3", "MissingField")]
+    assert [(e["doc_id"], e["error_type"], e["source"].rsplit("#", 1)[1]) for e in errors] == \
+        [("d3", "MissingField", "row2")]
 
     # plain text files (ids from content)
     (tmp_path / "txt").mkdir()
@@ -66,7 +78,8 @@ def test_parquet_text_and_hf_inputs(ray_local, sample_model, tmp_path):
     assert {r["doc_id"] for r in rows} == {"d1", "d2"}
 
 
-def test_s3_input_and_output_on_loopback(ray_local, sample_model, s3_bucket, s3_options):
+def test_s3_input_and_output_on_loopback(ray_local, sample_model, s3_bucket, s3_options, small_parts):
+    """The JSONL object is read in byte-range parts (small_parts): seeks and ranged reads."""
     fs = fsspec.filesystem("s3", **s3_options)
     fs.pipe_file(f"{s3_bucket}/in/docs.jsonl",
                  "".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in DOCS.items()).encode())
@@ -76,5 +89,9 @@ def test_s3_input_and_output_on_loopback(ray_local, sample_model, s3_bucket, s3_
                              f"output.storage_options={opts}"])
     _check(rep, rows, 2, 0)
     assert {r["doc_id"] for r in rows} == {"d1", "d2"}
+    from connectors.read_tasks import plan_read_tasks
+
+    assert len(plan_read_tasks([(f"s3://{s3_bucket}/in/docs.jsonl", None)], "jsonl", s3_options)) == 2
+    assert {(r["doc_id"], r["source"].rsplit("#", 1)[1]) for r in rows} == {("d1", "line1"), ("d2", "line2")}
     assert fs.exists(f"{s3_bucket}/out/_report.json")
     assert any(p.endswith(".parquet") for p in fs.find(f"{s3_bucket}/out"))

@@ -107,3 +107,17 @@ def test_the_feed_hands_a_big_block_over_in_slices_cut_between_documents():
         assert len(docs) % 3 == 0 and docs[-1] == docs[-3]  # never a part of a document
     assert max(pulls) <= 2 * InputFeed.SLICE_ROWS + 2  # bounded by the room, not by the block
     assert [r["doc_id"] for r in q.rows] == [r["doc_id"] for r in rows] and feed.docs_seen == 3000
+
+
+def test_bench_scale_writes_the_same_documents_as_one_file_or_several(tmp_path):
+    """`dlbatch bench scale --files N`: the N-file input holds the one-file input's documents,
+    in the same order, about N/files per file."""
+    from dlbatch.bench.scale import input_files, write_docs
+
+    one = write_docs(str(tmp_path / "one.jsonl"), 10, 6)
+    many = write_docs(str(tmp_path / "many"), 10, 6, files=3)
+    files = input_files(many)
+    assert [f.rsplit("/", 1)[1] for f in files] == ["part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
+    lines = [open(f).read().splitlines() for f in files]
+    assert [len(x) for x in lines] == [3, 3, 4] and sum(lines, []) == open(one).read().splitlines()
+    assert input_files(one) == [one]
