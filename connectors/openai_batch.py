@@ -148,9 +148,11 @@ def custom_ids(path: str, fs, lines: set[int]) -> dict[int, str]:
 # ------------------------------------------------------------------ a body -> a request
 
 
-def translate(url: str, body: Any, model: str) -> dict:
+def translate(url: str, body: Any, model: str, adapters=()) -> dict:
     """A request body -> ``{"chat": bool, "messages" (chat) | "prompt" (completions),
-    "max_tokens": int | None (None: the body sets none), "seed": int | None, "sampling": {...}}``.
+    "max_tokens": int | None (None: the body sets none), "seed": int | None, "sampling": {...},
+    "adapter": str | None}``. ``body.model`` is the job's ``model`` or, as vLLM's server takes
+    it, the name of one of the job's LoRA ``adapters`` (then ``adapter`` is that name).
 
     ``sampling`` holds the request row's own sampling (`dlbatch.prompts.sampling.row_sampling`):
     temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
@@ -166,8 +168,9 @@ def translate(url: str, body: Any, model: str) -> dict:
         raise InvalidRequest(f"url {_short(url)} is not supported (supported: {', '.join(URLS)})")
     given = {k: v for k, v in body.items() if v is not None}
     got = given.get("model")
-    if got != model:
-        raise InvalidRequest(f"body.model {_short(got)} is not this job's model.name {model!r}; a batch file runs "
+    if got != model and got not in adapters:
+        also = f" nor one of its adapters ({', '.join(adapters)})" if adapters else ""
+        raise InvalidRequest(f"body.model {_short(got)} is not this job's model.name {model!r}{also}; a batch file runs "
                              "on the job's model: set body.model to it (or model.name to the file's)", "ModelMismatch")
     allowed = CHAT_KEYS if chat else COMPLETION_KEYS
     for k in given:
@@ -179,7 +182,7 @@ def translate(url: str, body: Any, model: str) -> dict:
             raise InvalidRequest(f"body.{k} {_short(given[k])} is not supported (only {OFF_WHEN[k][0]!r})",
                                  "UnsupportedParameter")
         raise InvalidRequest(f"body.{k} is not supported by this batch engine ({url}); remove it", "UnsupportedParameter")
-    out: dict[str, Any] = {"chat": chat, "max_tokens": None, "seed": None}
+    out: dict[str, Any] = {"chat": chat, "max_tokens": None, "seed": None, "adapter": got if got != model else None}
     if chat:
         out["messages"] = _messages(given.get("messages"))
     else:

@@ -69,6 +69,33 @@ class RequestKey:
         return RequestKey(self.doc_id, self.task, part, self.sample)
 
 
+def request_inputs(row: dict) -> dict:
+    """What a request row sends a worker besides its token ids and sampling: its adapter's
+    name (``adapter``) and its images (``images``: the compressed bytes, in prompt order,
+    decoded only by the worker's engine); {} for a base-model text request."""
+    out = {}
+    if row.get("adapter"):
+        out["adapter"] = row["adapter"]
+    if row.get("images"):
+        out["images"] = list(row["images"])
+    return out
+
+
+def prefix_salt(adapter: Optional[str], image_digests=()) -> Optional[str]:
+    """What a request's prompt prefix is computed under besides its token ids: its LoRA
+    adapter and its images (digests of their bytes, in prompt order); None for a base-model
+    text request. Two requests share prefix KV only when their salts are equal: the router
+    seeds its block hashes with it, the prefix order keys documents by it, folding compares it."""
+    if not adapter and not image_digests:
+        return None
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for part in (adapter or "", *image_digests):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
 def base_task(name: str) -> str:
     """The job's task a request name belongs to: ``keywords#map:keywords:0:3`` -> ``keywords``,
     ``keywords~2`` -> ``keywords``."""

@@ -231,7 +231,8 @@ class Dispatcher:
 
         rows = [r for r in self.queue.take_window(self.window) if self._live_row(r)]
         by_id = {request_id(r): r for r in rows}
-        reqs = [Request(rid, tuple(r["prompt_ids"]), int(r["max_tokens"]), self.request_key(r))
+        reqs = [Request(rid, tuple(r["prompt_ids"]), int(r["max_tokens"]), self.request_key(r),
+                        salt=r.get("prefix_salt"))  # adapter and images: no prefix shared across them
                 for rid, r in by_id.items()]
         routing = self.router.route(reqs) if reqs else []
         self.routed.extend(pack_routing(routing, by_id, self.max_batch_tokens))

@@ -15,7 +15,7 @@ import time
 
 from dlbatch.workers.pools import MAX_RESTARTS, JobFailed
 from dlbatch.prompts import sampling, structured
-from dlbatch.records import base_task, request_id
+from dlbatch.records import base_task, request_id, request_inputs
 
 log = logging.getLogger("dlbatch.run")
 
@@ -178,6 +178,8 @@ class DispatchLoop:
                           if k not in ("temperature", "top_p", "top_k", "seed") and not isinstance(v, dict)})
             if r.get("sampling"):  # a row's own sampling (an OpenAI batch line) never folds onto another's
                 extra["row"] = request_id(r)
+            if r.get("adapter"):  # another adapter is another model: never folded onto the base's request
+                extra["adapter"] = r["adapter"]
             if smp["temperature"] == 0 and not extra:
                 return None
             return make_sampling_key(request_id(r), smp["temperature"], smp["top_p"], smp["top_k"],
@@ -211,7 +213,8 @@ class DispatchLoop:
             constraint = smp.pop("constraint", None) or self.constraints.get(base_task(r["task"]))
             items.append({"request_id": request_id(r), "token_ids": list(r["prompt_ids"]),
                           "max_tokens": int(r["max_tokens"]), **smp,
-                          **({"constraint": constraint} if constraint is not None else {})})
+                          **({"constraint": constraint} if constraint is not None else {}),
+                          **request_inputs(r)})
         return items
 
     def _make_map_reduce(self):

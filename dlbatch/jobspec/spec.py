@@ -109,6 +109,16 @@ class JobSpec(BaseModel):
                 f"(e.g. --set cluster.colocated.chip=fast). {backend.pd_note}")
         return self
 
+    @model_validator(mode="after")
+    def _check_adapters(self) -> "JobSpec":
+        """A task's adapter is one of model.adapters (the backend runs adapters: its
+        `validate_model`)."""
+        for i, t in enumerate(self.tasks):
+            if t.adapter is not None and t.adapter not in self.model.adapters:
+                known = ", ".join(self.model.adapters) or "none: the job has no model.adapters"
+                raise ValueError(f"tasks.{i}.adapter: {t.adapter!r} is not a name of model.adapters ({known})")
+        return self
+
     def __eq__(self, other: object) -> bool:
         # settings only: the same job loaded from two places is the same job
         if isinstance(other, JobSpec):

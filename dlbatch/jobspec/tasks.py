@@ -111,6 +111,7 @@ class TaskSpec(BaseModel):
     raw: bool = False  # the prompt goes to the model as is, without the chat template
     long_inputs: Optional[LongInputPolicy] = None   # None: the job's long_inputs
     sampling: Optional[TaskSamplingSpec] = None     # None: the job's sampling
+    adapter: Optional[str] = Field(None, min_length=1)  # a name of model.adapters (LoRA); None: the base model
 
     @model_validator(mode="after")
     def _check_template(self) -> "TaskSpec":

@@ -172,7 +172,8 @@ class PromptStage:
                 out.append({**base, "task": t.name, "task_index": k, "prompt_ids": ids[k], "max_tokens": t.max_tokens,
                             "truncated": bool(marks[k]),
                             "seed": derive_seed(task_sampling(spec, t.name).seed, doc["doc_id"], t.name),
-                            "stage": None, "error_type": None, "error": None, **_NO_MARK, **marks[k]})
+                            "stage": None, "error_type": None, "error": None, **_NO_MARK, **marks[k],
+                            **request_marks(t.adapter)})
         return expand_samples(spec, out) + map_rows
 
     def _batch_line(self, base: dict, doc: dict) -> list[dict]:
@@ -190,7 +191,8 @@ class PromptStage:
 
         cols = unpack(doc.get("columns"))
         try:
-            req = translate(cols.get("url"), json.loads(cols.get("body") or "null"), self.spec.model.name)
+            req = translate(cols.get("url"), json.loads(cols.get("body") or "null"), self.spec.model.name,
+                            tuple(self.spec.model.adapters))
         except InvalidRequest as e:
             return [self._error(base, "prompt", e.code, str(e)[:500])]
         ids = self.encoder.encode(0, req["messages"]) if req["chat"] else self.tok.encode(req["prompt"])
@@ -206,7 +208,8 @@ class PromptStage:
                                                                        doc["doc_id"], TASK)
         row = {**base, "task": TASK, "task_index": 0, "prompt_ids": ids, "max_tokens": max_tokens, "truncated": False,
                "seed": seed, "stage": None, "error_type": None, "error": None, **_NO_MARK,
-               "sampling": json.dumps(req["sampling"], sort_keys=True) if req["sampling"] else None}
+               "sampling": json.dumps(req["sampling"], sort_keys=True) if req["sampling"] else None,
+               **request_marks(req["adapter"])}
         return expand_samples(self.spec, [row])
 
     def _context(self, doc: dict) -> dict:
@@ -246,7 +249,8 @@ class PromptStage:
                  "seed": derive_seed(task_sampling(spec, r.task).seed, doc["doc_id"], f"{r.task}/{r.key}"),
                  "stage": None, "error_type": None, "error": None, "long_input_policy": "chunk",
                  "doc_tokens": len(plan.ids), "kept_tokens": len(plan.ids), "chunk_index": r.index,
-                 "chunk_count": plan.num_chunks, "chunk_plan": state} for r in plan.map_requests()]
+                 "chunk_count": plan.num_chunks, "chunk_plan": state, **request_marks(spec.tasks[index[r.task]].adapter)}
+                for r in plan.map_requests()]
 
     def _truncate(self, ctx: dict, ks: list[int], limit: int, policy: str = "truncate"):
         """Cut the document so every task of ``ks`` fits: its head (``truncate``) or its
@@ -289,6 +293,19 @@ _NO_MARK = {"long_input_policy": None, "doc_tokens": None, "kept_tokens": None, 
             "chunk_count": None, "chunk_plan": None}
 
 
+def request_marks(adapter: str | None, images=None) -> dict:
+    """A request row's adapter and images (docs/adapters.md, docs/multimodal.md): ``images``
+    an `dlbatch.prompts.multimodal.Encoded` prompt's (compressed bytes in prompt order, the
+    tokens they take in the engine), and the prefix salt of both (`dlbatch.records.prefix_salt`)."""
+    from dlbatch.records import prefix_salt
+
+    marks = {"adapter": adapter, "images": None, "image_tokens": None, "prefix_salt": prefix_salt(adapter)}
+    if images is not None and images.images:
+        marks.update(images=[i.data for i in images.images], image_tokens=images.image_tokens,
+                     prefix_salt=prefix_salt(adapter, [i.digest for i in images.images]))
+    return marks
+
+
 def request_schema():
     import pyarrow as pa
 
@@ -299,4 +316,7 @@ def request_schema():
                       ("error_type", pa.string()), ("error", pa.string()),
                       ("long_input_policy", pa.string()), ("doc_tokens", pa.int64()), ("kept_tokens", pa.int64()),
                       ("chunk_index", pa.int64()), ("chunk_count", pa.int64()), ("chunk_plan", pa.string()),
-                      ("columns", pa.binary()), ("sampling", pa.string())])
+                      ("columns", pa.binary()), ("sampling", pa.string()),
+                      # a LoRA adapter's name, the images (compressed bytes) and the tokens they take
+                      ("adapter", pa.string()), ("images", pa.list_(pa.binary())), ("image_tokens", pa.int64()),
+                      ("prefix_salt", pa.string())])
