@@ -50,8 +50,11 @@ FILE_TOO_LARGE = "FileTooLarge"
 
 def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, storage_options: dict | None,
                max_pages: int | None, *, max_file_bytes: int | None = MAX_FILE_BYTES,
-               parse_timeout_s: float = PARSE_TIMEOUT_S, parse_memory_mb: int | None = PARSE_MEMORY_MB) -> list[dict]:
-    """One input file (``row["url"]``) -> its documents, error rows for bad ones."""
+               parse_timeout_s: float = PARSE_TIMEOUT_S, parse_memory_mb: int | None = PARSE_MEMORY_MB,
+               images: dict | None = None) -> list[dict]:
+    """One input file (``row["url"]``) -> its documents, error rows for bad ones. ``images``:
+    the page images and figure crops a PDF's tasks ask for (`connectors.images`), rendered
+    in the parser process beside the text, under the same caps."""
     from .isolate import ParserUnavailable
     from .listing import read_document_file
     from .records import error_row
@@ -62,7 +65,8 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
         if too_large is not None:
             out = [too_large]
         elif fmt == "pdf":
-            out = [_parse_pdf(url, storage_options, max_pages, parse_timeout_s, parse_memory_mb, max_file_bytes)]
+            out = [_parse_pdf(url, storage_options, max_pages, parse_timeout_s, parse_memory_mb, max_file_bytes,
+                              images)]
         else:
             first = {"max_rows": row["max_rows"]} if row.get("max_rows") is not None else {}  # input.limit's cut
             out = list(read_document_file(url, fmt, text_field=text_field, id_field=id_field,
@@ -78,10 +82,15 @@ def _row(d: dict) -> dict:
     structure = None
     if "sections" in d:  # as JSON text with the characters as they are, then repaired like any string
         structure = repair_text(json.dumps({k: d[k] for k in STRUCTURE_KEYS}, ensure_ascii=False))
+    packed = None
+    if d.get("images"):  # compressed bytes with their labels: one binary value (connectors/images.py)
+        from .images import pack_images
+
+        packed = pack_images(d["images"])
     return repair_row({"doc_id": str(d["doc_id"]), "source": str(d["source"]), "text": d.get("text") or "",
                        "title": d.get("title"), "pages": d.get("pages"), "error": d.get("error"),
                        "error_type": d.get("error_type"), "structure": structure,
-                       "columns": d.get("columns")})
+                       "columns": d.get("columns"), "images": packed})
 
 
 def _too_large(url: str, fmt: str, storage_options: dict | None, max_file_bytes: int | None) -> dict | None:
@@ -104,7 +113,7 @@ def _too_large(url: str, fmt: str, storage_options: dict | None, max_file_bytes:
 
 
 def _parse_pdf(url: str, storage_options: dict | None, max_pages: int | None, timeout_s: float,
-               memory_mb: int | None, max_file_bytes: int | None) -> dict:
+               memory_mb: int | None, max_file_bytes: int | None, images: dict | None = None) -> dict:
     """Read the PDF here (I/O retries, credentials), extract it in a parser process."""
     from .io_retry import call_with_retry
     from .isolate import ParseFailed, run
@@ -117,7 +126,8 @@ def _parse_pdf(url: str, storage_options: dict | None, max_pages: int | None, ti
         return error_row(source=url, error_type=FILE_TOO_LARGE,
                          error=f"the file is {len(data)} bytes, over input.max_file_bytes={max_file_bytes}; not read")
     try:
-        return run(os.environ.get(TEST_PARSER_ENV) or PDF_EXTRACT, (data, url), {"max_pages": max_pages}, timeout_s=timeout_s, memory_mb=memory_mb,
+        kwargs = {"max_pages": max_pages, **({"images": images} if images else {})}
+        return run(os.environ.get(TEST_PARSER_ENV) or PDF_EXTRACT, (data, url), kwargs, timeout_s=timeout_s, memory_mb=memory_mb,
                    preload=PDF_PRELOAD)
     except ParseFailed as e:
         return error_row(source=url, raw=data, error_type=e.error_type, error=f"{e.error_type}: {e.message}"[:500])

@@ -69,6 +69,13 @@ class RequestKey:
         return RequestKey(self.doc_id, self.task, part, self.sample)
 
 
+def prompt_length(row: dict) -> int:
+    """A request row's prompt length in the engine: its token ids, each image's placeholder
+    counted as the ``image_tokens`` the images take (dlbatch/prompts/multimodal.py)."""
+    images = row.get("images")
+    return len(row["prompt_ids"]) + ((row.get("image_tokens") or 0) - len(images) if images else 0)
+
+
 def request_inputs(row: dict) -> dict:
     """What a request row sends a worker besides its token ids and sampling: its adapter's
     name (``adapter``) and its images (``images``: the compressed bytes, in prompt order,
@@ -150,12 +157,14 @@ def result_row(request: dict, result: dict, model: str, *, task: Optional[str] =
     ``overrides``: fields whose value is not the request's (a chunked task's token sums)."""
     task = task or request["task"]
     row = {"doc_id": request["doc_id"], "source": request["source"], "task": task,
-           "output": result.get("output", ""), "prompt_tokens": len(request["prompt_ids"]),
+           "output": result.get("output", ""), "prompt_tokens": prompt_length(request),
            "output_tokens": result.get("output_tokens", 0), "finish_reason": result.get("finish_reason"),
            "truncated": bool(request.get("truncated")), "model": model, "ttft_s": result.get("ttft_s"),
            "latency_s": result.get("latency_s"), "text": request.get("text"),
            "long_input_policy": request.get("long_input_policy"), "doc_tokens": request.get("doc_tokens"),
-           "kept_tokens": request.get("kept_tokens"), "chunks": None, "columns": request.get("columns")}
+           "kept_tokens": request.get("kept_tokens"), "chunks": None, "columns": request.get("columns"),
+           # written where the job's rows carry images (multimodal.result_fields)
+           "images": len(request["images"]) if request.get("images") else 0, "image_tokens": request.get("image_tokens") or 0}
     row.update(overrides)
     if extra is not None:
         row.update(extra(task, result))

@@ -37,6 +37,7 @@ def build(spec, files: list[str], skip_doc_ids, *, max_model_len: int, parse_con
 
     from connectors.listing import limited_reads
     from connectors.parse import parse_file
+    from dlbatch.prompts.multimodal import parse_request
     from connectors.secrets import seal, without_storage_options
     from dlbatch.prompts.skip import SkipSet
     from dlbatch.prompts.stage import PromptStage
@@ -50,7 +51,8 @@ def build(spec, files: list[str], skip_doc_ids, *, max_model_len: int, parse_con
     ds = ds.flat_map(parse_file, fn_kwargs=dict(fmt=inp.format, text_field=inp.text_field, id_field=inp.id_field,
                                                 storage_options=seal(inp.storage_options), max_pages=inp.max_pages,
                                                 max_file_bytes=inp.max_file_bytes, parse_timeout_s=inp.parse_timeout_s,
-                                                parse_memory_mb=inp.parse_memory_mb),
+                                                parse_memory_mb=inp.parse_memory_mb,
+                                                images=parse_request(spec)),  # a PDF's page images, figures
                      num_cpus=0.25)
     lo, hi = prompt_actors(ray.cluster_resources().get("CPU", 1.0), parse_concurrency)
     ds = ds.map_batches(PromptStage, fn_constructor_kwargs=dict(spec=without_storage_options(spec),

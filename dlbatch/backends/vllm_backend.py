@@ -254,6 +254,10 @@ class VllmBackend(EngineBackend):
         params = self.sampling(item)
         ids = [int(t) for t in item["token_ids"]]
         prompt = {"prompt_token_ids": ids}
+        if item.get("images"):  # one placeholder per image in ids: vLLM's processor expands them
+            from dlbatch.backends.images import decode_images
+
+            prompt["multi_modal_data"] = {"image": decode_images(item["images"])}
         self.engine.add_request(rid, prompt, params, lora_request=self.adapters.request(item.get("adapter")))
         self.live[rid] = {"t0": time.perf_counter(), "t_first": None, "prompt": len(ids), "stop": bool(params.stop),
                           "k": params.logprobs, "n": params.n,
@@ -287,6 +291,7 @@ class VllmBackend(EngineBackend):
             if not o.finished:
                 continue
             del self.live[o.request_id]
+            st["prompt"] = len(o.prompt_token_ids or ()) or st["prompt"]  # the engine's count (images expanded)
             if any(sm["c"] is not None and sm["c"].finish_reason == "abort" for sm in st["samples"].values()):
                 done.append((o.request_id, RuntimeError(f"request {o.request_id} was aborted by vLLM")))
                 continue

@@ -14,8 +14,8 @@ import logging
 import time
 
 from dlbatch.workers.pools import MAX_RESTARTS, JobFailed
-from dlbatch.prompts import sampling, structured
-from dlbatch.records import base_task, request_id, request_inputs
+from dlbatch.prompts import multimodal, sampling, structured
+from dlbatch.records import base_task, prompt_length, request_id, request_inputs
 
 log = logging.getLogger("dlbatch.run")
 
@@ -34,7 +34,8 @@ class DispatchLoop:
         self.stall_timeout_s = stall_timeout_s  # no batch returned for this long while some are in flight
         self.input_timeout_s = input_timeout_s  # no input for this long while every worker was idle
         self.constraints = structured.task_constraints(spec)  # task -> engine constraint (its `output:`)
-        self.result_fields = structured.result_fields(spec) + sampling.result_fields(spec)  # typed extra columns
+        self.result_fields = (structured.result_fields(spec) + sampling.result_fields(spec)  # typed extra columns
+                              + multimodal.result_fields(spec))
         self.map_reduce = self._make_map_reduce()
         self.d = self._dispatcher(pools.workers)
         self.calls = WorkerCalls(pools, self.d, self._items_for)
@@ -233,7 +234,7 @@ class DispatchLoop:
         from dlbatch.report.progress import remaining_tokens
 
         feed, open_docs = self.feed, list(self.d.docs.values())
-        open_rows = [(len(r["prompt_ids"]), int(r["max_tokens"])) for d in open_docs for t, r in d.rows.items()
+        open_rows = [(prompt_length(r), int(r["max_tokens"])) for d in open_docs for t, r in d.rows.items()
                      if t not in d.results and r.get("prompt_ids") is not None]
         if not feed.docs_seen:
             return None

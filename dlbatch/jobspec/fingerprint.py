@@ -65,6 +65,8 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
             fields[f"tasks.{task.name}.long_inputs"] = task.long_inputs
         if task.adapter is not None:
             fields[f"tasks.{task.name}.adapter"] = task.adapter
+        if task.images is not None:
+            fields[f"tasks.{task.name}.images"] = task.images.model_dump()
     if "chunk" in {spec.long_inputs, *(t.long_inputs for t in spec.tasks)}:
         for key, value in spec.chunking.model_dump().items():
             fields[f"chunking.{key}"] = value

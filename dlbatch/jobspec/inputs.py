@@ -27,6 +27,9 @@ class InputSpec(BaseModel):
     max_file_bytes: Optional[int] = Field(256 << 20, ge=1)  # larger PDF/text files: FileTooLarge; null: no cap
     parse_timeout_s: float = Field(300.0, gt=0)  # wall time of one PDF's parse: ParseTimeout
     parse_memory_mb: Optional[int] = Field(4096, ge=512)  # the PDF parser process's address space; null: no cap
+    # the images of one PDF its tasks ask for (docs/multimodal.md): past either, ImageBudgetExceeded
+    max_images: int = Field(64, ge=1)
+    max_image_pixels: int = Field(64_000_000, ge=1)
     # format hf, a Hub dataset id (path: org/name; connectors/hf_hub.py): folded into path, the
     # input's URL hf-dataset://org/name?config=..&split=..
     split: Optional[str] = Field(None, min_length=1)  # null: "train"

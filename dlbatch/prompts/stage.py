@@ -18,8 +18,10 @@ import hashlib
 import json
 import logging
 
+from connectors.images import unpack_images
 from connectors.parse import STRUCTURE_KEYS
 from connectors.repair import repair_row, repair_text
+from dlbatch.prompts.multimodal import LongInput, fit
 from dlbatch.prompts.sampling import expand_samples, task_sampling
 
 log = logging.getLogger("dlbatch.prompts.stage")
@@ -58,6 +60,12 @@ class PromptStage:
 
         self.reads_row = any(reads_row(t.source) for t in self.spec.tasks)  # else a row's columns stay packed
         self.map_reduce = map_reduce   # True: `chunk` documents become ChunkPlan map rows
+        from dlbatch.prompts.multimodal import MultimodalPrompts, has_images
+
+        # image prompts through the model's processor (loaded at the first image): tasks with
+        # images:, OpenAI batch lines with image parts
+        self.mm = (MultimodalPrompts.for_job(spec, self.tok) if has_images(spec) or spec.input.format == "openai_batch"
+                   else None)
         # ids not to redo: a SkipSet (8 bytes per id) from the driver, or any iterable of ids
         self.skip = skip_doc_ids if isinstance(skip_doc_ids, SkipSet) else SkipSet(skip_doc_ids or ())
 
@@ -113,7 +121,8 @@ class PromptStage:
             return [self._error(base, "parse", doc.get("error_type") or "ParseError", doc["error"])]
         if spec.input.format == "openai_batch":
             return self._batch_line(base, doc)
-        if not (doc.get("text") or "").strip():
+        images = unpack_images(doc.get("images")) if self.mm is not None else []
+        if not (doc.get("text") or "").strip() and not images:
             return [self._error(base, "parse", "EmptyDocument", "document has no text")]
         tasks = spec.tasks
         limit = self.max_model_len
@@ -121,41 +130,34 @@ class PromptStage:
             ctx = self._context(doc)
         except Exception as e:
             return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
-        ids: dict[int, list[int]] = {}
-        errors: dict[int, Exception] = {}
-        for k in range(len(tasks)):
-            try:
-                ids[k] = self.encoder.encode(k, self._render(k, ctx))
-            except Exception as e:
-                errors[k] = e
+        ids, mm, errors = self._encode_tasks(ctx, images, doc)
         if not ids:
             e = next(iter(errors.values()))
             return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
         marks: dict[int, dict] = {k: {} for k in ids}
         try:
-            by_policy: dict[str, list[int]] = {}
-            for k, i in ids.items():
-                if len(i) > limit - tasks[k].max_tokens:
-                    if tasks[k].messages is not None:  # a chat is not cut: the task is this document's dead letter
-                        errors[k] = ValueError(f"LongInput: task {tasks[k].name!r}: the chat is {len(i)} tokens, "
-                                               f"+ max_tokens {tasks[k].max_tokens} exceeds max_model_len {limit}")
-                        continue
-                    by_policy.setdefault(tasks[k].long_inputs or spec.long_inputs, []).append(k)
-            for k in errors:
-                ids.pop(k, None)
+            by_policy = self._over_limit(ids, mm, errors)
             if not ids:
                 e = next(iter(errors.values()))
                 return [self._error(base, "prompt", "LongInput", str(e)[:500])]
             if "skip" in by_policy:
                 k = by_policy["skip"][0]
-                return [self._error(base, "prompt", "LongInput",
-                                    f"task {tasks[k].name!r}: prompt of {len(ids[k])} tokens + max_tokens "
-                                    f"{tasks[k].max_tokens} exceeds max_model_len {limit}")]
+                return [self._error(base, "prompt", "LongInput", f"task {tasks[k].name!r}: prompt of "
+                                    f"{_length(ids, mm, k)} tokens + max_tokens {tasks[k].max_tokens} exceeds "
+                                    f"max_model_len {limit}")]
             for policy in ("truncate", "middle"):
-                if policy in by_policy:
-                    cut_ids, mark = self._truncate(ctx, by_policy[policy], limit, policy)
+                text_ks = [k for k in by_policy.get(policy, []) if k not in mm]
+                if text_ks:
+                    cut_ids, mark = self._truncate(ctx, text_ks, limit, policy)
                     for k, i in cut_ids.items():
                         ids[k], marks[k] = i, mark
+                for k in (k for k in by_policy.get(policy, []) if k in mm):  # images: cut by text, then by page
+                    try:
+                        mm[k], marks[k] = self._image_task(k, ctx, images, doc, policy)
+                        ids[k] = mm[k].ids
+                    except LongInput as e:
+                        errors[k] = e
+                        ids.pop(k)
             map_rows = self._chunk(base, doc, ctx, [tasks[k] for k in by_policy.get("chunk", [])])
         except Exception as e:
             return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
@@ -173,8 +175,62 @@ class PromptStage:
                             "truncated": bool(marks[k]),
                             "seed": derive_seed(task_sampling(spec, t.name).seed, doc["doc_id"], t.name),
                             "stage": None, "error_type": None, "error": None, **_NO_MARK, **marks[k],
-                            **request_marks(t.adapter)})
+                            **request_marks(t.adapter, mm.get(k))})
         return expand_samples(spec, out) + map_rows
+
+    def _encode_tasks(self, ctx: dict, images: list[dict], doc: dict):
+        """Every task's prompt: ({task index: token ids}, {task index: `Encoded` image prompt},
+        {task index: its exception}). A document without text (scanned pages only) reaches
+        the tasks with images alone."""
+        ids, mm, errors = {}, {}, {}
+        empty = not (doc.get("text") or "").strip()
+        for k, t in enumerate(self.spec.tasks):
+            try:
+                if t.images is not None:
+                    mm[k], _ = self._image_task(k, ctx, images, doc)
+                    ids[k] = mm[k].ids
+                elif empty:
+                    errors[k] = EmptyDocument(f"task {t.name!r}: the document has no text layer; its scanned pages "
+                                              "reach the tasks with images: only")
+                else:
+                    ids[k] = self.encoder.encode(k, self._render(k, ctx))
+            except Exception as e:
+                errors[k] = e
+        return ids, mm, errors
+
+    def _over_limit(self, ids: dict, mm: dict, errors: dict) -> dict[str, list[int]]:
+        """The tasks whose prompt + max_tokens do not fit, by long-input policy (image tokens
+        counted); a chat that does not fit is its task's error (a chat is not cut). Tasks in
+        ``errors`` leave ``ids``."""
+        tasks, limit, by_policy = self.spec.tasks, self.max_model_len, {}
+        for k in list(ids):
+            n = _length(ids, mm, k)
+            if n > limit - tasks[k].max_tokens:
+                if tasks[k].messages is not None:
+                    errors[k] = ValueError(f"LongInput: task {tasks[k].name!r}: the chat is {n} tokens, "
+                                           f"+ max_tokens {tasks[k].max_tokens} exceeds max_model_len {limit}")
+                    continue
+                by_policy.setdefault(tasks[k].long_inputs or self.spec.long_inputs, []).append(k)
+        for k in errors:
+            ids.pop(k, None)
+        return by_policy
+
+    def _image_task(self, k: int, ctx: dict, images: list[dict], doc: dict, policy: str | None = None):
+        """Task k's image prompt (`dlbatch.prompts.multimodal`) and its long-input marks: as
+        rendered (``policy`` None), or fitted to the context by ``policy`` (truncate, middle)."""
+        from dlbatch.prompts.templates import document_context
+
+        t, pages = self.spec.tasks[k], int(doc.get("pages") or 0)
+        render = lambda c: self._render(k, c)  # noqa: E731
+        if policy is None:
+            return self.mm.task_prompt(t, render, ctx, images, pages), {}
+        text_ids = self.tok.encode(ctx["text"], add_special_tokens=False)
+        body = document_context(ctx)["text_without_references"]
+        body_ids = text_ids if body == ctx["text"] else self.tok.encode(body, add_special_tokens=False)
+        cut = lambda n: (self._cut(text_ids, n, policy), self._cut(body_ids, n, policy))  # noqa: E731
+        enc, kept, _ = fit(lambda n, drop: self.mm.task_prompt(t, render, ctx, images, pages, cut(n), drop),
+                           len(text_ids), self.max_model_len - t.max_tokens, f"task {t.name!r}")
+        return enc, {"long_input_policy": policy, "doc_tokens": len(text_ids), "kept_tokens": kept}
 
     def _batch_line(self, base: dict, doc: dict) -> list[dict]:
         """An OpenAI batch request line (connectors/openai_batch.py) -> its request row(s): one
@@ -287,6 +343,15 @@ class PromptStage:
     def _error(base: dict, stage: str, etype: str, msg: str) -> dict:
         return {**base, "task": None, "task_index": -1, "prompt_ids": [], "max_tokens": 0, "truncated": False,
                 "seed": 0, "stage": stage, "error_type": etype, "error": repair_text(msg), **_NO_MARK}
+
+
+class EmptyDocument(ValueError):
+    """A task's document has nothing the task reads (no text layer, and the task asks for no images)."""
+
+
+def _length(ids: dict, mm: dict, k: int) -> int:
+    """Task k's prompt length in the engine: its token ids, its images' tokens for their placeholders."""
+    return mm[k].length if k in mm else len(ids[k])
 
 
 _NO_MARK = {"long_input_policy": None, "doc_tokens": None, "kept_tokens": None, "chunk_index": None,
