@@ -1,6 +1,5 @@
-"""Images in prompts: a task's page images and figure crops (or an OpenAI batch line's image
-parts), placed in its chat message and encoded by the model's own processor
-(docs/multimodal.md).
+"""Images in prompts: a task's page images and figure crops, placed in its chat message and
+encoded by the model's own processor (docs/multimodal.md).
 
 A document's images arrive from the parse stage as compressed bytes with their labels
 (`connectors.images`: ``kind``, ``label``, ``page``, ``caption``, ``dpi``, ``format``, ``width``,
@@ -8,8 +7,8 @@ A document's images arrive from the parse stage as compressed bytes with their l
 
 - gives its template the image variables (`variables`): ``page_images`` (the task's pages
   and the document's scanned pages, in page order), ``page_image(n)``, ``figures`` (every
-  figure and table crop, each followed by its caption) and ``figure("Figure 3")``; each is
-  a marker in the rendered text (`MARK`), never the bytes;
+  figure and table crop, each followed by its caption) and ``figure("Figure 3")`` (that crop
+  and its caption); each image is a marker in the rendered text (`MARK`), never the bytes;
 - splits the rendered prompt at the markers into a chat message's content parts, text and
   ``{"type": "image"}``; a template that places no image gets the task's images first (its
   pages, then its figures with their captions), so the tasks of a document share them as
@@ -137,7 +136,7 @@ def variables(images: list[dict], want, task: str, doc_pages: int) -> dict:
         want_label = " ".join(str(label).split()).lower().replace("fig.", "figure")
         for i in figs:
             if images[i]["label"].lower() == want_label:
-                return marker(i)
+                return f"{marker(i)}\n{images[i]['caption']}\n"
         raise ValueError(f"no {label!r} in this document (found: "
                          f"{', '.join(images[i]['label'] for i in figs) or 'no captioned figures or tables'})")
 

@@ -62,10 +62,8 @@ class PromptStage:
         self.map_reduce = map_reduce   # True: `chunk` documents become ChunkPlan map rows
         from dlbatch.prompts.multimodal import MultimodalPrompts, has_images
 
-        # image prompts through the model's processor (loaded at the first image): tasks with
-        # images:, OpenAI batch lines with image parts
-        self.mm = (MultimodalPrompts.for_job(spec, self.tok) if has_images(spec) or spec.input.format == "openai_batch"
-                   else None)
+        # image prompts (tasks with images:) through the model's processor, loaded at the first image
+        self.mm = MultimodalPrompts.for_job(spec, self.tok) if has_images(spec) else None
         # ids not to redo: a SkipSet (8 bytes per id) from the driver, or any iterable of ids
         self.skip = skip_doc_ids if isinstance(skip_doc_ids, SkipSet) else SkipSet(skip_doc_ids or ())
 
@@ -305,7 +303,8 @@ class PromptStage:
                  "seed": derive_seed(task_sampling(spec, r.task).seed, doc["doc_id"], f"{r.task}/{r.key}"),
                  "stage": None, "error_type": None, "error": None, "long_input_policy": "chunk",
                  "doc_tokens": len(plan.ids), "kept_tokens": len(plan.ids), "chunk_index": r.index,
-                 "chunk_count": plan.num_chunks, "chunk_plan": state, **request_marks(spec.tasks[index[r.task]].adapter)}
+                 "chunk_count": plan.num_chunks, "chunk_plan": state,
+                 **request_marks(spec.tasks[index[r.task]].adapter)}
                 for r in plan.map_requests()]
 
     def _truncate(self, ctx: dict, ks: list[int], limit: int, policy: str = "truncate"):

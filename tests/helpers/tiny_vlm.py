@@ -25,25 +25,28 @@ def make_tiny_vlm(path: str, seed: int = 0):
     """Create and save the tiny Idefics3 at ``path``; returns the transformers model (fp32, eval)."""
     import torch
     import transformers
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     vocab = {"<unk>": 0}
     for s in SPECIAL:
         vocab[s] = len(vocab)
-    for c in [*map(chr, range(32, 127)), "\n"]:
+    for c in [*map(chr, range(33, 127)), "\u0120", "\u010a"]:  # printable ASCII; space and newline as byte-level
         vocab[c] = len(vocab)
     while len(vocab) < VOCAB:
         vocab[f"w{len(vocab)}"] = len(vocab)
+    # one token per byte-level character (GPT-2's byte alphabet, as llguidance reads it)
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                                                pre_tokenizers.Split("", behavior="isolated")])
+    tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens([AddedToken(s, special=True) for s in SPECIAL])
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>",
                                                eos_token="<end_of_utterance>", unk_token="<unk>", pad_token="<unk>")
     tok.chat_template = CHAT
     eos = vocab["<end_of_utterance>"]
     text = dict(model_type="llama", vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-6,
                 bos_token_id=1, eos_token_id=eos, pad_token_id=0)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
                   patch_size=14)
