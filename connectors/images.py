@@ -85,6 +85,32 @@ def images_digest(images: list[dict]) -> str:
     return h.hexdigest()
 
 
+# ------------------------------------------------------------------ images given inline
+MAGIC_BYTES = {"png": (b"\x89PNG\r\n\x1a\n",), "jpeg": (b"\xff\xd8\xff",), "webp": (b"RIFF",)}
+DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp);base64,(.*)", re.DOTALL)
+
+
+def data_url_image(url: str) -> bytes:
+    """A ``data:image/<png|jpeg|webp>;base64,...`` URL -> the image's compressed bytes (not
+    decoded: their first bytes checked against the format the URL names). Raises ValueError
+    naming what is wrong."""
+    import base64
+    import binascii
+
+    m = DATA_URL.fullmatch(url.strip()) if isinstance(url, str) else None
+    if m is None:
+        head = url[:40] if isinstance(url, str) else type(url).__name__
+        raise ValueError(f"{head!r} is not a data:image/(png|jpeg|webp);base64 URL")
+    fmt = "jpeg" if m.group(1) == "jpg" else m.group(1)
+    try:
+        data = base64.b64decode(m.group(2), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"its base64 payload does not decode ({e})") from None
+    if not data.startswith(MAGIC_BYTES[fmt]) or (fmt == "webp" and data[8:12] != b"WEBP"):
+        raise ValueError(f"its bytes are not a {fmt.upper()} image (they start {data[:8]!r})")
+    return data
+
+
 # ------------------------------------------------------------------ what to render
 def selected_pages(pages, count: int) -> list[int]:
     """1-based page numbers of a ``pages`` selection within a document of ``count`` pages read."""

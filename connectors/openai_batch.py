@@ -19,7 +19,9 @@ Invariants:
 * the reader checks the line's envelope only (JSON object, ``custom_id``, ``method`` POST,
   ``url`` one of `URLS`, ``body`` an object); the body is checked by `translate`, which the
   prompt stage calls with the job's model name: every problem of a body raises
-  `InvalidRequest` naming the body key, and becomes that line's dead letter, never the job's.
+  `InvalidRequest` naming the body key, and becomes that line's dead letter, never the job's;
+* a user message's ``image_url`` parts (data: URLs only) become its images, compressed bytes
+  the prompt stage hands the model's processor (docs/multimodal.md).
 """
 from __future__ import annotations
 
@@ -250,18 +252,49 @@ def _messages(messages: Any) -> list[dict]:
             raise InvalidRequest(f"{where}.{extra[0]} is not supported", "UnsupportedParameter")
         content = m.get("content")
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"{where}.content[{j}].type {_short(kind)} is not supported (text parts only)",
-                                         "UnsupportedParameter")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise InvalidRequest(f"{where}.content must be a string or a list of text parts, got {_short(content)}")
+            content = _content_parts(content, where, ROLES[role])
+        if not isinstance(content, (str, list)):
+            raise InvalidRequest(f"{where}.content must be a string or a list of content parts, got {_short(content)}")
         out.append({"role": ROLES[role], "content": content})
     return out
+
+
+def _content_parts(content: list, where: str, role: str) -> str | list[dict]:
+    """A message's content parts -> its text (text parts only), or, with images, the parts:
+    ``{"type": "text", "text"}`` and ``{"type": "image", "data": bytes}`` (an ``image_url``
+    part's data URL decoded to the compressed image: docs/multimodal.md)."""
+    from .images import data_url_image
+
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        at = f"{where}.content[{j}]"
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            if role != "user":
+                raise InvalidRequest(f"{at}: image parts go in user messages, not {role}")
+            img = part.get("image_url")
+            url = img.get("url") if isinstance(img, dict) else None
+            if not isinstance(url, str):
+                raise InvalidRequest(f"{at}.image_url.url must be a string, got {_short(url)}")
+            if img.get("detail", "auto") != "auto":
+                raise InvalidRequest(f"{at}.image_url.detail {_short(img['detail'])} is not supported (only "
+                                     "'auto': the model's processor sizes the image)", "UnsupportedParameter")
+            if not url.startswith("data:"):
+                raise InvalidRequest(f"{at}.image_url.url {_short(url)}: only data: URLs are supported (the batch "
+                                     "engine fetches no URL); inline the image as data:image/png;base64,...",
+                                     "UnsupportedParameter")
+            try:
+                parts.append({"type": "image", "data": data_url_image(url)})
+            except ValueError as e:
+                raise InvalidRequest(f"{at}.image_url.url: {e}") from None
+        else:
+            raise InvalidRequest(f"{at}.type {_short(kind)} is not supported (text and image_url parts)",
+                                 "UnsupportedParameter")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def _prompt(prompt: Any) -> str:

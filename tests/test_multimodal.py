@@ -175,6 +175,67 @@ def test_a_scanned_paper_reaches_the_image_tasks_only(tmp_path, vlm):
     assert rows["text"]["error_type"] == "EmptyDocument" and "no text layer" in rows["text"]["error"]
 
 
+# ------------------------------------------------------------------ OpenAI batch lines with images
+def _png(color, size=(120, 90)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _batch_rows(tmp_path, model, colors, backend="vllm"):
+    """The request rows of an OpenAI batch file, one chat line per image pair of ``colors``."""
+    import base64
+
+    from connectors.listing import read_document_file
+    from dlbatch.prompts.stage import PromptStage
+
+    def part(c):
+        url = "data:image/png;base64," + base64.b64encode(_png(c)).decode()
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": [
+                  {"type": "text", "text": "Which is brighter, "}, part(a), {"type": "text", "text": " or "}, part(b),
+                  {"type": "text", "text": "?"}]}]}} for i, (a, b) in enumerate(colors)]
+    src = tmp_path / "batch.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    job = {"name": "vlm_batch", "pipeline": "papers", "input": {"format": "openai_batch", "path": str(src)},
+           "output": {"path": str(tmp_path / "out")},
+           "model": {"name": model, "backend": backend, "dtype": "float32", "max_model_len": 2048},
+           "sampling": {"temperature": 0.0, "seed": 0},
+           "cluster": {"colocated": {"chip": "fast", "replicas": 1, "num_cpus": 1}}}
+    path = tmp_path / "batch.yaml"
+    path.write_text(yaml.safe_dump(job))
+    stage = PromptStage(load_job(str(path)), max_model_len=2048)
+    return stage, [r for doc in read_document_file(str(src), "openai_batch") for r in stage.process(doc)]
+
+
+def test_an_openai_batch_line_with_image_parts_is_an_image_prompt(tmp_path, vlm):
+    """Data-URL image parts: the chat through the model's processor (one placeholder per image,
+    in place), the images' bytes and tokens in the row, the images in its prefix key; our engine
+    makes such a line a dead letter naming model.backend: vllm."""
+    from transformers import AutoProcessor
+
+    from dlbatch.records import prompt_length
+
+    stage, (a, b) = _batch_rows(tmp_path, vlm, [((250, 250, 250), (10, 10, 10)), ((10, 10, 10), (250, 250, 250))])
+    image_id = stage.tok.encode("<image>", add_special_tokens=False)[0]
+    assert a["error"] is None and a["images"] == [_png((250, 250, 250)), _png((10, 10, 10))]
+    assert list(a["prompt_ids"]).count(image_id) == 2
+    text = stage.tok.decode(list(a["prompt_ids"]), skip_special_tokens=False)
+    assert text.startswith("<|im_start|>User:Which is brighter, <image> or <image>?<end_of_utterance>")
+    per_image = AutoProcessor.from_pretrained(vlm)._get_num_multimodal_tokens(image_sizes=[(90, 120)])
+    assert a["image_tokens"] == 2 * per_image["num_image_tokens"][0]
+    assert prompt_length(a) == len(a["prompt_ids"]) - 2 + a["image_tokens"]
+    assert a["prompt_ids"] == b["prompt_ids"] and a["prefix_salt"] != b["prefix_salt"]  # same text, other images
+    _, (c,) = _batch_rows(tmp_path, vlm, [((1, 2, 3), (4, 5, 6))], backend="dlbatch")
+    assert c["error_type"] == "InvalidRequest" and "model.backend: vllm" in c["error"]
+
+
 # ------------------------------------------------------------------ on vLLM
 ENGINE_COUNT = """
 import pickle, sys
@@ -197,15 +258,17 @@ pickle.dump(out, open(sys.argv[1], "wb"))
 
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
 def test_the_engine_counts_image_prompts_as_we_do(tmp_path, vlm):
-    """Our stage's prompts (page images, figure crops, a structured output) in vLLM's engine: its
-    prompt length (each placeholder expanded by its processor) is ours; the JSON is valid; the
-    same text with other images answers otherwise."""
+    """Our stage's prompts (page images, figure crops, a structured output, an OpenAI batch
+    line's image parts) in vLLM's engine: its prompt length (each placeholder expanded by its
+    processor) is ours; the JSON is valid; the same text with other images answers otherwise."""
     from dlbatch.prompts.stage import PromptStage
     from dlbatch.records import prompt_length, request_id, request_inputs
 
     spec = load_job(_job(tmp_path, vlm))
     stage = PromptStage(spec, max_model_len=2048)
     rows = stage.process(_doc("tidal_array_wakes.pdf", spec)) + stage.process(_doc("urban_heat_islands.pdf", spec))
+    _, lines = _batch_rows(tmp_path, vlm, [((250, 250, 250), (10, 10, 10))])  # an OpenAI batch line's image parts
+    rows += lines
     items = [{"request_id": request_id(r), "token_ids": list(r["prompt_ids"]), "max_tokens": r["max_tokens"],
               "temperature": 0.0, "seed": 0, **request_inputs(r),
               **({"constraint": {"kind": "json_schema", "spec": KIND}} if r["task"] == "figs" else {})}

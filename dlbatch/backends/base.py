@@ -117,7 +117,7 @@ class EngineBackend(ABC):
         """Refuse, naming why, a job whose requests carry adapters or images this backend does
         not run (``adapters``/``images``: whether the job's requests do)."""
         for asked, runs, what in ((adapters, cls.runs_adapters, "LoRA adapters (model.adapters)"),
-                                  (images, cls.runs_images, "image inputs (tasks' images:)")):
+                                  (images, cls.runs_images, "image inputs (tasks' images:, OpenAI batch image parts)")):
             if asked and not runs:
                 raise ValueError(f"{what}: model.backend {cls.name} does not run them. {cls.feature_note}")
 

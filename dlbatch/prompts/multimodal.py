@@ -1,5 +1,6 @@
-"""Images in prompts: a task's page images and figure crops, placed in its chat message and
-encoded by the model's own processor (docs/multimodal.md).
+"""Images in prompts: a task's page images and figure crops (or an OpenAI batch line's image
+parts: `MultimodalPrompts.chat_prompt`), placed in its chat message and encoded by the model's
+own processor (docs/multimodal.md).
 
 A document's images arrive from the parse stage as compressed bytes with their labels
 (`connectors.images`: ``kind``, ``label``, ``page``, ``caption``, ``dpi``, ``format``, ``width``,
@@ -230,6 +231,23 @@ class MultimodalPrompts:
             raise ValueError(f"the model's chat template placed {placed} image placeholders for {len(refs)} images")
         return Encoded(ids, list(refs), sum(self.image_tokens(refs, text)))
 
+    def chat_prompt(self, messages: list[dict]) -> Encoded:
+        """An OpenAI batch line's messages (connectors/openai_batch.py), whose content parts hold
+        images as ``{"type": "image", "data": bytes}`` -> its `Encoded` prompt, the images in
+        message order."""
+        out, refs = [], []
+        for m in messages:
+            if isinstance(m["content"], list):
+                parts = []
+                for p in m["content"]:
+                    if p["type"] == "image":
+                        refs.append(image_ref(p["data"], f"image {len(refs) + 1}"))
+                        p = {"type": "image"}
+                    parts.append(p)
+                m = {**m, "content": parts}
+            out.append(m)
+        return self.encode(None, out, refs)
+
     def _image_token_id(self) -> int:
         p = self.processor
         tid = getattr(p, "image_token_id", None)
@@ -261,6 +279,23 @@ class MultimodalPrompts:
             image = Image.open(io.BytesIO(r.data)).convert("RGB")
             out.append(len(p(text=[p.image_token], images=[image], add_special_tokens=False)["input_ids"][0]))
         return out
+
+
+def image_ref(data: bytes, label: str) -> ImageRef:
+    """Compressed image bytes -> an `ImageRef`: its size read from the header (PIL opens
+    lazily: no pixel is decoded), its digest the sha256 of the bytes. ValueError naming
+    ``label`` when the bytes are not an image PIL reads."""
+    import hashlib
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            width, height = im.size
+    except Exception as e:
+        raise ValueError(f"{label} is not an image: {type(e).__name__}: {e}") from None
+    return ImageRef(bytes(data), hashlib.sha256(data).hexdigest(), int(width), int(height), label)
 
 
 def drop_images(parts: list[dict], refs: list[ImageRef], n: int) -> tuple[list[dict], list[ImageRef]]:

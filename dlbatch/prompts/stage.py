@@ -241,7 +241,7 @@ class PromptStage:
         A body `translate` refuses, or one that does not fit max_model_len (``LongInput``),
         is that line's dead letter, naming the key or the sizes."""
         from connectors.columns import unpack
-        from connectors.openai_batch import CHAT_DEFAULT_MAX_TOKENS, TASK, InvalidRequest, translate
+        from connectors.openai_batch import BAD_REQUEST, CHAT_DEFAULT_MAX_TOKENS, TASK, InvalidRequest, translate
 
         cols = unpack(doc.get("columns"))
         try:
@@ -249,22 +249,44 @@ class PromptStage:
                             tuple(self.spec.model.adapters))
         except InvalidRequest as e:
             return [self._error(base, "prompt", e.code, str(e)[:500])]
-        ids = self.encoder.encode(0, req["messages"]) if req["chat"] else self.tok.encode(req["prompt"])
+        enc = None  # the chat's images, if any, through the model's processor
+        if req["chat"] and any(isinstance(m["content"], list) for m in req["messages"]):
+            try:
+                enc = self._line_images(req["messages"])
+            except ValueError as e:
+                return [self._error(base, "prompt", BAD_REQUEST, str(e)[:500])]
+            ids, length = enc.ids, enc.length
+        else:
+            ids = self.encoder.encode(0, req["messages"]) if req["chat"] else self.tok.encode(req["prompt"])
+            length = len(ids)
         limit, task = self.max_model_len, self.spec.tasks[0]
         max_tokens = req["max_tokens"]
         if max_tokens is None:
-            max_tokens = min(CHAT_DEFAULT_MAX_TOKENS, limit - len(ids)) if req["chat"] else task.max_tokens
-        if max_tokens < 1 or len(ids) + max_tokens > limit:
+            max_tokens = min(CHAT_DEFAULT_MAX_TOKENS, limit - length) if req["chat"] else task.max_tokens
+        if max_tokens < 1 or length + max_tokens > limit:
             return [self._error(base, "prompt", "LongInput",
-                                f"the {'chat' if req['chat'] else 'prompt'} is {len(ids)} tokens, + max_tokens "
-                                f"{max_tokens} exceeds max_model_len {limit}")]
+                                f"the {'chat' if req['chat'] else 'prompt'} is {length} tokens"
+                                + (f" ({enc.image_tokens} of them for {len(enc.images)} images)" if enc else "")
+                                + f", + max_tokens {max_tokens} exceeds max_model_len {limit}")]
         seed = req["seed"] if req["seed"] is not None else derive_seed(task_sampling(self.spec, TASK).seed,
                                                                        doc["doc_id"], TASK)
         row = {**base, "task": TASK, "task_index": 0, "prompt_ids": ids, "max_tokens": max_tokens, "truncated": False,
                "seed": seed, "stage": None, "error_type": None, "error": None, **_NO_MARK,
                "sampling": json.dumps(req["sampling"], sort_keys=True) if req["sampling"] else None,
-               **request_marks(req["adapter"])}
+               **request_marks(req["adapter"], enc)}
         return expand_samples(self.spec, [row])
+
+    def _line_images(self, messages: list[dict]):
+        """An OpenAI batch chat with image parts -> its `Encoded` prompt (the model's processor
+        loaded at the first such line); ValueError naming why it cannot run: a backend without
+        image inputs, a model without an image processor, an image that is not one."""
+        from dlbatch.backends import backend_class
+        from dlbatch.prompts.multimodal import MultimodalPrompts
+
+        backend_class(self.spec.model.backend).check_features(images=True)
+        if self.mm is None:
+            self.mm = MultimodalPrompts.for_job(self.spec, self.tok)
+        return self.mm.chat_prompt(messages)
 
     def _context(self, doc: dict) -> dict:
         from connectors.columns import unpack
