@@ -23,7 +23,9 @@ Invariants:
 * the reader checks the line's envelope only (JSON object, ``custom_id``, ``method`` POST,
   ``url`` one of `URLS`, ``body`` an object); the body is checked by `translate`, which the
   prompt stage calls with the job's model name: every problem of a body raises
-  `InvalidRequest` naming the body key, and becomes that line's dead letter, never the job's.
+  `InvalidRequest` naming the body key, and becomes that line's dead letter, never the job's;
+* a user message's ``image_url`` parts (data: URLs only) become its images, compressed bytes
+  the prompt stage hands the model's processor (docs/multimodal.md).
 """
 from __future__ import annotations
 
@@ -203,9 +205,11 @@ def check_custom_ids(files, max_line_bytes: int | None = MAX_LINE_BYTES) -> None
 # ------------------------------------------------------------------ a body -> a request
 
 
-def translate(url: str, body: Any, model: str | tuple[str, ...]) -> dict:
+def translate(url: str, body: Any, model: str | tuple[str, ...], adapters=()) -> dict:
     """A request body -> ``{"chat": bool, "messages" (chat) | "prompt" (completions),
-    "max_tokens": int | None (None: the body sets none), "seed": int | None, "sampling": {...}}``.
+    "max_tokens": int | None (None: the body sets none), "seed": int | None, "sampling": {...},
+    "adapter": str | None}``. ``body.model`` is the job's ``model`` or, as vLLM's server takes
+    it, the name of one of the job's LoRA ``adapters`` (then ``adapter`` is that name).
 
     ``sampling`` holds the request row's own sampling (`dlbatch.prompts.sampling.row_sampling`):
     temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
@@ -223,9 +227,10 @@ def translate(url: str, body: Any, model: str | tuple[str, ...]) -> dict:
     given = {k: v for k, v in body.items() if v is not None}
     got = given.get("model")
     names = (model,) if isinstance(model, str) else tuple(model)
-    if got not in names:
-        raise InvalidRequest(f"body.model {_short(got)} is not this job's model ({', '.join(map(repr, names))}); a "
-                             "batch file runs on the job's model: name it in model.served_model_name (dlbatch batch "
+    if got not in names and got not in adapters:
+        also = f" nor one of its adapters ({', '.join(adapters)})" if adapters else ""
+        raise InvalidRequest(f"body.model {_short(got)} is not this job's model ({', '.join(map(repr, names))}){also}; "
+                             "a batch file runs on the job's model: name it in model.served_model_name (dlbatch batch "
                              "--served-model-name), or set body.model", "ModelMismatch")
     allowed = CHAT_KEYS if chat else COMPLETION_KEYS
     for k in given:
@@ -237,7 +242,7 @@ def translate(url: str, body: Any, model: str | tuple[str, ...]) -> dict:
             raise InvalidRequest(f"body.{k} {_short(given[k])} is not supported (only {OFF_WHEN[k][0]!r})",
                                  "UnsupportedParameter")
         raise InvalidRequest(f"body.{k} is not supported by this batch engine ({url}); remove it", "UnsupportedParameter")
-    out: dict[str, Any] = {"chat": chat, "max_tokens": None, "seed": None}
+    out: dict[str, Any] = {"chat": chat, "max_tokens": None, "seed": None, "adapter": got if got not in names else None}
     if chat:
         out["messages"] = _messages(given.get("messages"))
     else:
@@ -305,18 +310,49 @@ def _messages(messages: Any) -> list[dict]:
             raise InvalidRequest(f"{where}.{extra[0]} is not supported", "UnsupportedParameter")
         content = m.get("content")
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"{where}.content[{j}].type {_short(kind)} is not supported (text parts only)",
-                                         "UnsupportedParameter")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise InvalidRequest(f"{where}.content must be a string or a list of text parts, got {_short(content)}")
+            content = _content_parts(content, where, ROLES[role])
+        if not isinstance(content, (str, list)):
+            raise InvalidRequest(f"{where}.content must be a string or a list of content parts, got {_short(content)}")
         out.append({"role": ROLES[role], "content": content})
     return out
+
+
+def _content_parts(content: list, where: str, role: str) -> str | list[dict]:
+    """A message's content parts -> its text (text parts only), or, with images, the parts:
+    ``{"type": "text", "text"}`` and ``{"type": "image", "data": bytes}`` (an ``image_url``
+    part's data URL decoded to the compressed image: docs/multimodal.md)."""
+    from .images import data_url_image
+
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        at = f"{where}.content[{j}]"
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            if role != "user":
+                raise InvalidRequest(f"{at}: image parts go in user messages, not {role}")
+            img = part.get("image_url")
+            url = img.get("url") if isinstance(img, dict) else None
+            if not isinstance(url, str):
+                raise InvalidRequest(f"{at}.image_url.url must be a string, got {_short(url)}")
+            if img.get("detail", "auto") != "auto":
+                raise InvalidRequest(f"{at}.image_url.detail {_short(img['detail'])} is not supported (only "
+                                     "'auto': the model's processor sizes the image)", "UnsupportedParameter")
+            if not url.startswith("data:"):
+                raise InvalidRequest(f"{at}.image_url.url {_short(url)}: only data: URLs are supported (the batch "
+                                     "engine fetches no URL); inline the image as data:image/png;base64,...",
+                                     "UnsupportedParameter")
+            try:
+                parts.append({"type": "image", "data": data_url_image(url)})
+            except ValueError as e:
+                raise InvalidRequest(f"{at}.image_url.url: {e}") from None
+        else:
+            raise InvalidRequest(f"{at}.type {_short(kind)} is not supported (text and image_url parts)",
+                                 "UnsupportedParameter")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def _prompt(prompt: Any) -> str:

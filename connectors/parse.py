@@ -58,10 +58,13 @@ FILE_TOO_LARGE = "FileTooLarge"
 def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, storage_options: dict | None,
                max_pages: int | None, *, max_file_bytes: int | None = MAX_FILE_BYTES,
                parse_timeout_s: float = PARSE_TIMEOUT_S, parse_memory_mb: int | None = PARSE_MEMORY_MB,
-               max_line_bytes: int | None = MAX_LINE_BYTES, max_text_chars: int | None = MAX_TEXT_CHARS) -> list[dict]:
+               max_line_bytes: int | None = MAX_LINE_BYTES, max_text_chars: int | None = MAX_TEXT_CHARS,
+               images: dict | None = None) -> list[dict]:
     """One read task (``row``: `connectors.read_tasks.ReadTask.row`; ``{"url": ...}`` alone is
     the whole file) -> its documents, error rows for bad ones. A task that fails as a whole is
-    one error row naming the file (and the part: `ReadTask.source`)."""
+    one error row naming the file (and the part: `ReadTask.source`). ``images``: the page
+    images and figure crops a PDF's tasks ask for (`connectors.images`), rendered in the
+    parser process beside the text, under the same caps."""
     from .isolate import ParserUnavailable
     from .listing import read_document_file
     from .read_tasks import ReadTask
@@ -76,7 +79,7 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
             out = [too_large]
         elif fmt == "pdf":
             out = [_parse_pdf(url, storage_options, max_pages, parse_timeout_s, parse_memory_mb, max_file_bytes,
-                              max_text_chars)]
+                              max_text_chars, images)]
         else:  # max_rows: input.limit's cut of a file read whole
             out = list(read_document_file(url, fmt, text_field=text_field, id_field=id_field,
                                           storage_options=storage_options, max_pages=max_pages,
@@ -96,10 +99,16 @@ def document_row(d: dict) -> dict:
     structure = None
     if "sections" in d:  # as JSON text with the characters as they are, then repaired like any string
         structure = repair_text(json.dumps({k: d[k] for k in STRUCTURE_KEYS}, ensure_ascii=False))
+    packed = None
+    if d.get("images"):  # compressed bytes with their labels: one binary value (connectors/images.py)
+        from .images import pack_images
+
+        packed = pack_images(d["images"])
     return repair_row({"doc_id": str(d["doc_id"]), "source": str(d["source"]), "text": d.get("text") or "",
                        "title": d.get("title"), "pages": d.get("pages"), "error": d.get("error"),
                        "error_type": d.get("error_type"), "structure": structure,
-                       "columns": d.get("columns"), "text_truncated_chars": d.get("text_truncated_chars")})
+                       "columns": d.get("columns"), "text_truncated_chars": d.get("text_truncated_chars"),
+                       "images": packed})
 
 
 def _too_large(url: str, fmt: str, storage_options: dict | None, max_file_bytes: int | None) -> dict | None:
@@ -122,7 +131,8 @@ def _too_large(url: str, fmt: str, storage_options: dict | None, max_file_bytes:
 
 
 def _parse_pdf(url: str, storage_options: dict | None, max_pages: int | None, timeout_s: float,
-               memory_mb: int | None, max_file_bytes: int | None, max_text_chars: int | None) -> dict:
+               memory_mb: int | None, max_file_bytes: int | None, max_text_chars: int | None,
+               images: dict | None = None) -> dict:
     """Read the PDF here (I/O retries, credentials), extract it in a parser process."""
     from .io_retry import call_with_retry
     from .isolate import ParseFailed, run
@@ -135,8 +145,8 @@ def _parse_pdf(url: str, storage_options: dict | None, max_pages: int | None, ti
         return error_row(source=url, error_type=FILE_TOO_LARGE,
                          error=f"the file is {len(data)} bytes, over input.max_file_bytes={max_file_bytes}; not read")
     try:
-        return run(os.environ.get(TEST_PARSER_ENV) or PDF_EXTRACT, (data, url),
-                   {"max_pages": max_pages, "max_text_chars": max_text_chars}, timeout_s=timeout_s,
+        kwargs = {"max_pages": max_pages, "max_text_chars": max_text_chars, **({"images": images} if images else {})}
+        return run(os.environ.get(TEST_PARSER_ENV) or PDF_EXTRACT, (data, url), kwargs, timeout_s=timeout_s,
                    memory_mb=memory_mb, preload=PDF_PRELOAD)
     except ParseFailed as e:
         return error_row(source=url, raw=data, error_type=e.error_type, error=f"{e.error_type}: {e.message}"[:500])

@@ -352,10 +352,13 @@ def _metadata_title(meta: dict | None) -> str | None:
 # ------------------------------------------------------------------ entry point
 
 
-def extract_pdf(data: bytes, source: str, max_pages: int | None = None, max_text_chars: int | None = None) -> dict:
+def extract_pdf(data: bytes, source: str, max_pages: int | None = None, max_text_chars: int | None = None,
+                images: dict | None = None) -> dict:
     """Extract one PDF into a row (see connectors/records.py). Never raises on bad data.
     A text over ``max_text_chars`` is cut here, in the parser process, with its structure
-    (`cut_document`), so the row that leaves it is bounded whatever the PDF expands to."""
+    (`cut_document`), so the row that leaves it is bounded whatever the PDF expands to.
+    ``images``: what to render besides the text (`connectors.images.render_images`' request):
+    the row's ``images`` records; a PDF with no text but scanned pages is then a document."""
     if max_pages is not None and (not isinstance(max_pages, int) or max_pages < 1):
         raise ValueError(f"max_pages must be a positive int or None, got {max_pages!r}")
     data = bytes(data)
@@ -376,7 +379,8 @@ def extract_pdf(data: bytes, source: str, max_pages: int | None = None, max_text
         return error_row(source=source, raw=data, error_type=CORRUPT_PDF,
                          error=f"cannot open PDF: {_short(exc)}")
     try:
-        return cut_document(_extract_open(doc, data, source, max_pages, pymupdf), max_text_chars)
+        row = cut_document(_extract_open(doc, data, source, max_pages, pymupdf), max_text_chars)
+        return _with_images(row, doc, data, source, max_pages, images) if images else row
     except Exception as exc:  # anything MuPDF throws mid-way on a damaged file
         _raise_if_out_of_memory(exc)
         log.warning("PDF extraction failed for %s: %s", source, exc)
@@ -409,6 +413,34 @@ def cut_document(row: dict, max_chars: int | None) -> dict:
         row["references_span"] = [span[0], end]
     elif span:
         row["references"], row["references_span"] = "", None
+    return row
+
+
+def _with_images(row: dict, doc, data: bytes, source: str, max_pages: int | None, images: dict) -> dict:
+    """The row with the images the job asks for (docs/multimodal.md): rendered here, in the
+    parser process; its id covers them (the same text with other figures is another
+    document). Past the per-document image budget the document is a dead letter."""
+    from .ids import content_id
+    from .images import IMAGE_BUDGET, ImageBudgetExceeded, images_digest, render_images
+
+    if row.get("error") and row.get("error_type") not in (IMAGE_ONLY_PDF, EMPTY_DOCUMENT):
+        return row
+    if not doc.page_count:
+        return row
+    limit = doc.page_count if max_pages is None else min(doc.page_count, max_pages)
+    try:
+        rendered = render_images(doc, limit, images)
+    except ImageBudgetExceeded as e:
+        return error_row(source=source, raw=data, error_type=IMAGE_BUDGET, pages=doc.page_count,
+                         error=f"{IMAGE_BUDGET}: {e}")
+    if row.get("error"):  # no text layer: the scanned pages are the document
+        if not any(im["textless"] for im in rendered):
+            return row
+        row = ok_row(doc_id=None, source=source, text="", title=_metadata_title(doc.metadata),
+                     pages=doc.page_count)
+        row.update(structure([], row["title"]))
+    row["doc_id"] = content_id(row["text"] + "\n" + images_digest(rendered))
+    row["images"] = rendered
     return row
 
 

@@ -69,6 +69,40 @@ class RequestKey:
         return RequestKey(self.doc_id, self.task, part, self.sample)
 
 
+def prompt_length(row: dict) -> int:
+    """A request row's prompt length in the engine: its token ids, each image's placeholder
+    counted as the ``image_tokens`` the images take (dlbatch/prompts/multimodal.py)."""
+    images = row.get("images")
+    return len(row["prompt_ids"]) + ((row.get("image_tokens") or 0) - len(images) if images else 0)
+
+
+def request_inputs(row: dict) -> dict:
+    """What a request row sends a worker besides its token ids and sampling: its adapter's
+    name (``adapter``) and its images (``images``: the compressed bytes, in prompt order,
+    decoded only by the worker's engine); {} for a base-model text request."""
+    out = {}
+    if row.get("adapter"):
+        out["adapter"] = row["adapter"]
+    if row.get("images"):
+        out["images"] = list(row["images"])
+    return out
+
+
+def prefix_salt(adapter: Optional[str], image_digests=()) -> Optional[str]:
+    """What a request's prompt prefix is computed under besides its token ids: its LoRA
+    adapter and its images (digests of their bytes, in prompt order); None for a base-model
+    text request. Two requests share prefix KV only when their salts are equal: the router
+    seeds its block hashes with it, the prefix order keys documents by it, folding compares it."""
+    if not adapter and not image_digests:
+        return None
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for part in (adapter or "", *image_digests):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
 def base_task(name: str) -> str:
     """The job's task a request name belongs to: ``keywords#map:keywords:0:3`` -> ``keywords``,
     ``keywords~2`` -> ``keywords``."""
@@ -125,13 +159,15 @@ def result_row(request: dict, result: dict, model: str, *, task: Optional[str] =
     ``overrides``: fields whose value is not the request's (a chunked task's token sums)."""
     task = task or request["task"]
     row = {"doc_id": request["doc_id"], "source": request["source"], "task": task,
-           "output": result.get("output", ""), "prompt_tokens": len(request["prompt_ids"]),
+           "output": result.get("output", ""), "prompt_tokens": prompt_length(request),
            "output_tokens": result.get("output_tokens", 0), "finish_reason": result.get("finish_reason"),
            "truncated": bool(request.get("truncated")), "model": model, "ttft_s": result.get("ttft_s"),
            "latency_s": result.get("latency_s"), "text": request.get("text"),
            "long_input_policy": request.get("long_input_policy"), "doc_tokens": request.get("doc_tokens"),
            "kept_tokens": request.get("kept_tokens"), "chunks": None, "columns": request.get("columns"),
-           "doc_version": request.get("doc_version")}
+           "doc_version": request.get("doc_version"),
+           # written where the job's rows carry images (multimodal.result_fields)
+           "images": len(request["images"]) if request.get("images") else 0, "image_tokens": request.get("image_tokens") or 0}
     row.update(overrides)
     if extra is not None:
         row.update(extra(task, result))

@@ -106,6 +106,7 @@ def _documents(spec, files: list[str]):
     from connectors.parse import parse_file
     from connectors.read_tasks import blocks, plan_read_tasks, task_table
     from connectors.secrets import seal
+    from dlbatch.prompts.multimodal import parse_request
 
     inp = spec.input
     # input.limit: the first N rows of the sorted files, as per-file row caps (not ds.limit)
@@ -120,7 +121,8 @@ def _documents(spec, files: list[str]):
                                                   parse_timeout_s=inp.parse_timeout_s,
                                                   parse_memory_mb=inp.parse_memory_mb,
                                                   max_line_bytes=inp.max_line_bytes,
-                                                  max_text_chars=inp.max_text_chars),
+                                                  max_text_chars=inp.max_text_chars,
+                                                  images=parse_request(spec)),  # a PDF's page images, figures
                        num_cpus=0.25), max(1, len(groups))
 
 

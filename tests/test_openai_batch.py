@@ -79,8 +79,22 @@ def test_completions_keys_are_translated():
     (COMPLETIONS, {"model": MODEL, "prompt": ["a", "b"]}, "UnsupportedParameter", ["body.prompt"]),
     (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "UnsupportedParameter",
      ["body.messages[0].role"]),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
      "UnsupportedParameter", ["body.messages[0].content[0].type"]),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "InvalidRequest", ["body.messages[0].content[0].image_url.url"]),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
+     "UnsupportedParameter", ["body.messages[0].content[0].image_url.url", "only data: URLs"]),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
+     "InvalidRequest", ["body.messages[0].content[0].image_url.url", "not a PNG image"]),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}]}]},
+     "InvalidRequest", ["body.messages[0].content[0].image_url.url", "does not decode"]),
+    (CHAT, {"model": MODEL, "messages": [{"role": "system", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
+     "InvalidRequest", ["body.messages[0].content[0]", "user messages"]),
     (CHAT, {"model": MODEL, "messages": []}, "InvalidRequest", ["body.messages"]),
     (CHAT, {"model": MODEL, "messages": MSGS, "temperature": 3}, "InvalidRequest", ["body.temperature"]),
     (CHAT, {"model": MODEL, "messages": MSGS, "top_p": 0}, "InvalidRequest", ["body.top_p"]),
@@ -110,6 +124,35 @@ def test_refusals_name_the_body_key(url, body, code, names):
     assert e.value.code == code
     for n in names:
         assert n in str(e.value)
+
+
+def test_image_parts_become_the_users_images():
+    """An image_url part's data URL -> the compressed bytes, in place among the text parts
+    (docs/multimodal.md); a JPEG under data:image/jpg too; detail other than auto refused."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = {}
+    for fmt in ("PNG", "JPEG"):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 6), (200, 30, 30)).save(buf, format=fmt)
+        out[fmt] = buf.getvalue()
+    url = {f: f"data:image/{'png' if f == 'PNG' else 'jpg'};base64," + base64.b64encode(b).decode()
+           for f, b in out.items()}
+    body = {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "text", "text": "Compare "}, {"type": "image_url", "image_url": {"url": url["PNG"]}},
+        {"type": "text", "text": " and "},
+        {"type": "image_url", "image_url": {"url": url["JPEG"], "detail": "auto"}}]}]}
+    req = translate(CHAT, body, MODEL)
+    assert req["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "text", "text": "Compare "}, {"type": "image", "data": out["PNG"]}, {"type": "text", "text": " and "},
+        {"type": "image", "data": out["JPEG"]}]}]
+    body["messages"][1]["content"][1]["image_url"]["detail"] = "low"
+    with pytest.raises(InvalidRequest, match=r"content\[1\].image_url.detail 'low' is not supported") as e:
+        translate(CHAT, body, MODEL)
+    assert e.value.code == "UnsupportedParameter"
 
 
 # ---------------------------------------------------------------------------- reading

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 
 import pytest
 
@@ -17,13 +18,68 @@ def _in_repo(monkeypatch):
     monkeypatch.chdir(REPO)  # job files name their sample data relative to the repository
 
 
+# shipped jobs that name a Hub model not bundled: validated offline against a Hub cache laid out
+# on disk holding a tiny random model of the same architecture under that id (no network)
+HUB_MODELS = {"jobs/papers_figures.yaml": "HuggingFaceTB/SmolVLM-256M-Instruct"}
+
+
+@pytest.fixture(scope="module")
+def hub_home(tmp_path_factory):
+    """An HF_HOME whose Hub cache holds the tiny vision-language model under each HUB_MODELS id."""
+    from tests.helpers.hub import add_to_hub_cache
+    from tests.helpers.tiny_vlm import make_tiny_vlm
+
+    root = tmp_path_factory.mktemp("hub")
+    make_tiny_vlm(str(root / "vlm"))
+    for repo in set(HUB_MODELS.values()):
+        add_to_hub_cache(str(root / "hf"), repo, str(root / "vlm"))
+    return str(root / "hf")
+
+
 @pytest.mark.parametrize("job", JOBS)
-def test_every_shipped_job_validates(job, tmp_path, capsys):
+def test_every_shipped_job_validates(job, tmp_path, capsys, request, monkeypatch):
+    if job in HUB_MODELS:
+        from dlbatch.backends import REGISTRY
+
+        why = REGISTRY["vllm"].unavailable_reason()
+        if why:
+            pytest.skip(why)
+        monkeypatch.setenv("HF_HOME", request.getfixturevalue("hub_home"))
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     rc = main(["validate", job, "--docs", "2", "--set", f"output.path={tmp_path / 'out'}"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "is valid" in out and "inputs: " in out and "prompt tokens" in out and "estimate: " in out
     assert not os.listdir(tmp_path / "out" / "_tmp")  # the write probe is gone
+
+
+def test_validate_shows_each_image_tasks_images_and_their_tokens(tmp_path, capsys, request, monkeypatch):
+    """The figures job over two long sample papers: every figure task has one image (its crop)
+    and its image tokens in each document, as the model's processor counts them."""
+    from dlbatch.backends import REGISTRY
+
+    why = REGISTRY["vllm"].unavailable_reason()
+    if why:
+        pytest.skip(why)
+    monkeypatch.setenv("HF_HOME", request.getfixturevalue("hub_home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    src = tmp_path / "in"
+    src.mkdir()
+    for name in ("rainfed_wheat_soil_moisture", "tidal_array_wakes"):
+        shutil.copy(os.path.join(REPO, "samples", "papers", f"{name}.pdf"), src / f"{name}.pdf")
+    rc = main(["validate", "jobs/papers_figures.yaml", "--docs", "2", "--set", f"output.path={tmp_path / 'out'}",
+               "--set", f"input.path={src}"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "images per task in the 2 sampled documents (count, tokens):" in out
+    lines = [x for x in out.splitlines() if x.strip().startswith(str(src)) and "figure_1" in x]
+    assert len(lines) == 2
+    for line in lines:  # e.g. "figure_1 1 (21), figure_2 1 (21), ..."
+        for t in ("figure_1", "figure_2", "figure_3", "figure_4"):
+            assert f"{t} 1 (" in line, line
+    assert "task figure_1: " in out and "1 images (" in out
 
 
 def _one_line_error(err: str) -> str:

@@ -90,6 +90,12 @@ class EngineBackend(ABC):
     name: str = ""
     roles: tuple[str, ...] = ("colocated",)
     pd_note: str = ""  # why the backend runs no prefill/decode pools, said when a job asks for them
+    # what a request may carry besides token ids (docs/adapters.md, docs/multimodal.md): a LoRA
+    # adapter (item["adapter"]) and image inputs (item["images"]); a job asking for what its
+    # backend lacks is refused at load with `feature_note`
+    runs_adapters: bool = False
+    runs_images: bool = False
+    feature_note: str = ""
 
     fingerprint: str  # the model's identity: PD peers and a resume must agree on it
     tokenizer: object  # dlbatch.engine.tokenizer.Tokenizer of the model (decodes first tokens)
@@ -104,6 +110,16 @@ class EngineBackend(ABC):
     def validate_model(cls, model) -> None:
         """At job load: what can be checked of the job's ``model`` section without reading the
         model or importing the engine; raises ValueError naming the bad value."""
+        cls.check_features(adapters=bool(model.adapters))
+
+    @classmethod
+    def check_features(cls, adapters: bool = False, images: bool = False) -> None:
+        """Refuse, naming why, a job whose requests carry adapters or images this backend does
+        not run (``adapters``/``images``: whether the job's requests do)."""
+        for asked, runs, what in ((adapters, cls.runs_adapters, "LoRA adapters (model.adapters)"),
+                                  (images, cls.runs_images, "image inputs (tasks' images:, OpenAI batch image parts)")):
+            if asked and not runs:
+                raise ValueError(f"{what}: model.backend {cls.name} does not run them. {cls.feature_note}")
 
     @classmethod
     def check_model(cls, model, hf_config: dict) -> None:

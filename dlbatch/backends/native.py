@@ -38,12 +38,15 @@ def request_params(r: dict):
 
 class NativeBackend(DisaggregatedBackend):
     name = "dlbatch"
+    feature_note = ("Our engine's model runner has no batched LoRA and no vision encoder: set model.backend: vllm "
+                    "(docs/adapters.md, docs/multimodal.md)")
 
     # ---- the class: configuration -------------------------------------------------------------
     @classmethod
     def validate_model(cls, model) -> None:
         """engine_args are `EngineConfig` fields, less those the job sets elsewhere (model.dtype,
-        model.max_model_len, the pool's device and GPU share)."""
+        model.max_model_len, the pool's device and GPU share); no adapters (`check_features`)."""
+        cls.check_features(adapters=bool(model.adapters))
         if not model.engine_args:
             return
         from dataclasses import fields
@@ -105,6 +108,8 @@ class NativeBackend(DisaggregatedBackend):
     # ---- the interface ----------------------------------------------------------------------
     def add(self, kind: str, item: dict) -> int:
         eng = self.engine
+        if item.get("adapter") or item.get("images"):  # refused at job load; never run as the base text model
+            raise ValueError(f"request {item['request_id']} carries an adapter or images. {self.feature_note}")
         if kind == "generate":
             seq = eng.add_request(item["request_id"], item["token_ids"], request_params(item))
         elif kind == "prefill":

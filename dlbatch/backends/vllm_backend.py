@@ -42,7 +42,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3": "Qwen3ForCausalLM"}
 _KINDS = {"json_schema": "json", "regex": "regex", "choices": "choice", "grammar": "grammar"}
 # what the job says elsewhere: the model, and the context the whole run uses (one value, RunConfig)
-RESERVED_ARGS = {"model": "model.name", "tokenizer": "model.name", "max_model_len": "model.max_model_len"}
+RESERVED_ARGS = {"model": "model.name", "tokenizer": "model.name", "max_model_len": "model.max_model_len",
+                 "enable_lora": "model.adapters", "max_loras": "model.max_loras", "max_lora_rank": "model.max_lora_rank"}
 # what we set unless the job's engine_args say otherwise
 DEFAULT_ARGS = {"enable_prefix_caching": True, "seed": 0,
                 "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": True}}
@@ -138,6 +139,8 @@ class VllmBackend(EngineBackend):
     roles = ("colocated",)
     pd_note = ("Prefill/decode pools need vLLM's KV connectors (NIXL, P2P NCCL), which run on GPUs only and not on "
                "its CPU build (docs/backends.md); dlbatch's own engine runs PD pools on any chip")
+    runs_adapters = True  # LoRARequest per request (dlbatch/backends/lora.py)
+    runs_images = True
 
     # ---- the class: configuration -------------------------------------------------------------
     @classmethod
@@ -151,6 +154,20 @@ class VllmBackend(EngineBackend):
         refuse, when the worker loads it."""
         check_engine_args(dict(model.engine_args))
         super().check_model(model, hf_config)
+
+    @classmethod
+    def worker_spec(cls, model, pool, *, max_model_len: int, max_batch_tokens: int, num_threads: int):
+        """The base class's, with the job's adapters and the LoRA limits their engine is built with."""
+        from dataclasses import replace
+
+        from dlbatch.backends.lora import lora_limits
+
+        spec = super().worker_spec(model, pool, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
+                                   num_threads=num_threads)
+        if not model.adapters:
+            return spec
+        max_loras, rank = lora_limits(model.adapters, model.max_loras, model.max_lora_rank)
+        return replace(spec, adapters=tuple(sorted(model.adapters.items())), max_loras=max_loras, max_lora_rank=rank)
 
     # ---- the running engine -------------------------------------------------------------------
     def __init__(self, spec, role: str, device: str):
@@ -170,6 +187,7 @@ class VllmBackend(EngineBackend):
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        from dlbatch.backends.lora import AdapterSet
         from dlbatch.engine.loader import load_tokenizer, model_identity
 
         check_engine_args(spec.engine_args)
@@ -177,6 +195,11 @@ class VllmBackend(EngineBackend):
         path = model_dir_for_vllm(spec.model, spec.storage_options)
         args = {**DEFAULT_ARGS, "dtype": e.dtype, "max_num_seqs": e.max_num_seqs, "max_model_len": e.max_model_len,
                 "max_num_batched_tokens": max(e.max_num_batched_tokens, e.max_model_len), **spec.engine_args}
+        # the job's LoRA adapters (dlbatch/backends/lora.py); on a CPU the base model is a zero adapter
+        self.adapters = AdapterSet(spec.adapters, base_slot=device == "cpu")
+        if spec.adapters:
+            args.update(enable_lora=True, max_loras=spec.max_loras + (device == "cpu"),
+                        max_lora_rank=spec.max_lora_rank)
         self.args = {"model": spec.model, **args}
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=path, tokenizer=path, **args))
         self.tokenizer = load_tokenizer(spec.model, spec.storage_options)
@@ -230,7 +253,12 @@ class VllmBackend(EngineBackend):
             raise ValueError(f"request {rid} is already running")
         params = self.sampling(item)
         ids = [int(t) for t in item["token_ids"]]
-        self.engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        prompt = {"prompt_token_ids": ids}
+        if item.get("images"):  # one placeholder per image in ids: vLLM's processor expands them
+            from dlbatch.backends.images import decode_images
+
+            prompt["multi_modal_data"] = {"image": decode_images(item["images"])}
+        self.engine.add_request(rid, prompt, params, lora_request=self.adapters.request(item.get("adapter")))
         self.live[rid] = {"t0": time.perf_counter(), "t_first": None, "prompt": len(ids), "stop": bool(params.stop),
                           "k": params.logprobs, "n": params.n,
                           "samples": {}}  # per choice index (0..n-1): {ids, text, lps, c (its final output)}
@@ -263,6 +291,7 @@ class VllmBackend(EngineBackend):
             if not o.finished:
                 continue
             del self.live[o.request_id]
+            st["prompt"] = len(o.prompt_token_ids or ()) or st["prompt"]  # the engine's count (images expanded)
             if any(sm["c"] is not None and sm["c"].finish_reason == "abort" for sm in st["samples"].values()):
                 done.append((o.request_id, RuntimeError(f"request {o.request_id} was aborted by vLLM")))
                 continue

@@ -29,6 +29,11 @@ class WorkerSpec:
     storage_options: dict | None = None
     kv_transport: str = "object_store"  # how prefill workers hand KV to decode workers
     kv_timeout_s: float = 120.0  # longest wait for a KV transfer (put, receive) before it fails
+    # LoRA adapters (dlbatch/backends/lora.py): (name, folder or Hub id) pairs, resolved by the
+    # worker; the engine mixes up to max_loras of them, of rank up to max_lora_rank
+    adapters: tuple = ()
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
 
 def engine_config(model, pool, max_model_len: int, max_batch_tokens: int, own: dict | None = None) -> EngineConfig:

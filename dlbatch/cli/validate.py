@@ -174,8 +174,10 @@ def _output(spec) -> None:
 
 def _prompts(spec, files: list[str], n_docs: int, show_chars: int, max_model_len: int) -> None:
     from connectors.parse import parse_file
+    from dlbatch.prompts.multimodal import parse_request
     from dlbatch.prompts.stage import PromptStage
-    from dlbatch.records import base_task
+    from dlbatch.prompts.multimodal import has_images
+    from dlbatch.records import base_task, prompt_length
 
     inp = spec.input
     stage = PromptStage(spec, max_model_len=max_model_len)
@@ -187,7 +189,7 @@ def _prompts(spec, files: list[str], n_docs: int, show_chars: int, max_model_len
                               inp.id_field, dict(inp.storage_options), inp.max_pages,
                               max_file_bytes=inp.max_file_bytes, parse_timeout_s=inp.parse_timeout_s,
                               parse_memory_mb=inp.parse_memory_mb, max_line_bytes=inp.max_line_bytes,
-                              max_text_chars=inp.max_text_chars):
+                              max_text_chars=inp.max_text_chars, images=parse_request(spec)):
             docs.append((doc, [] if doc.get("error") else stage.process(doc)))
     ok = [(d, rows) for d, rows in docs if rows and not rows[0].get("error")]
     for d, rows in docs:
@@ -204,13 +206,19 @@ def _prompts(spec, files: list[str], n_docs: int, show_chars: int, max_model_len
         r = by_task.get(t.name)
         if r is None:
             continue
+        if r.get("error"):  # this task alone fails on this document
+            print(f"  task {t.name}: a dead letter for this document: {r['error']}")
+            continue
         samples = sum(1 for k in by_task if base_task(k) == t.name)
         text = stage.tok.decode(list(r["prompt_ids"]))
         shown = text if len(text) <= 2 * n else f"{text[:n]} [...] {text[-n:]}"
-        print(f"  task {t.name}: {len(r['prompt_ids']):,} prompt tokens, max_tokens {r['max_tokens']}"
+        print(f"  task {t.name}: {prompt_length(r):,} prompt tokens, max_tokens {r['max_tokens']}"
+              + (f", {len(r['images'])} images ({r['image_tokens']:,} of the tokens)" if r.get("images") else "")
               + (f", {samples} samples" if samples > 1 else "")
               + (f", long-input policy {r.get('long_input_policy')}" if r.get("long_input_policy") else ""))
         print("    " + shown.replace("\n", "\n    "))
+    if has_images(spec):
+        _images(spec, ok)
     longest = sorted(ok, key=lambda dr: -int(dr[1][0].get("doc_tokens") or len(dr[1][0]["prompt_ids"])))[:3]
     print(f"longest of the {len(ok)} sampled documents (context {stage.max_model_len:,} tokens):")
     for d, rows in longest:
@@ -219,6 +227,18 @@ def _prompts(spec, files: list[str], n_docs: int, show_chars: int, max_model_len
         n_doc = int(r.get("doc_tokens") or 0) or len(r["prompt_ids"])  # null when it fits: the prompt is it
         print(f"  {d.get('source')}: {n_doc:,} {'document' if r.get('doc_tokens') else 'prompt'} tokens -> {policy}"
               + (f", {int(r.get('kept_tokens') or 0):,} kept" if r.get("kept_tokens") else ""))
+
+
+def _images(spec, docs: list[tuple[dict, list[dict]]]) -> None:
+    """Each image task's images and their tokens (as the model's processor counts them) in
+    each sampled document: docs/multimodal.md."""
+    tasks = [t.name for t in spec.tasks if t.images is not None]
+    print(f"images per task in the {len(docs)} sampled documents (count, tokens):")
+    for d, rows in docs:
+        by_task = {r["task"]: r for r in rows}
+        shown = [f"{t} {len(by_task[t].get('images') or [])} ({int(by_task[t].get('image_tokens') or 0):,})"
+                 if t in by_task and not by_task[t].get("error") else f"{t} -" for t in tasks]
+        print(f"  {d.get('source')}: " + ", ".join(shown))
 
 
 def _estimate(spec, n_docs: int, max_model_len: int) -> None:

@@ -14,7 +14,7 @@ import collections
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from dlbatch.records import request_id
+from dlbatch.records import prompt_length, request_id
 
 WorkerKey = tuple  # (role, index)
 
@@ -106,11 +106,11 @@ def pack_routing(routing, by_id: dict[str, dict], max_batch_tokens: int) -> list
         batches, batch, tokens = [], [], 0
         for req in lst:
             r = by_id[req.request_id]
-            if batch and tokens + len(r["prompt_ids"]) > max_batch_tokens:
+            if batch and tokens + prompt_length(r) > max_batch_tokens:
                 batches.append((batch, w))
                 batch, tokens = [], 0
             batch.append((r, [by_id[d] for d in fanout.get(req.request_id, [])]))
-            tokens += len(r["prompt_ids"])
+            tokens += prompt_length(r)
         if batch:
             batches.append((batch, w))
         per_worker.append(batches)

@@ -46,7 +46,7 @@ from dlbatch.driver.document import Document
 from dlbatch.driver.outcomes import Duplicates, Outcomes
 from dlbatch.driver.retry_policy import RetryPolicy
 from dlbatch.driver.worker_table import WorkerState, WorkerTable
-from dlbatch.records import request_id
+from dlbatch.records import prompt_length, request_id
 
 
 class Dispatcher:
@@ -155,7 +155,7 @@ class Dispatcher:
         rows = [e[0] for e in entries]
         riders = {request_id(e[0]): list(e[1]) for e in entries if e[1]}
         site = frozenset((k[0], k[1], self.workers[k].epoch) for k in [front] + ([decode] if decode else []))
-        load = sum(len(r["prompt_ids"]) + int(r["max_tokens"]) for r in rows)
+        load = sum(prompt_length(r) + int(r["max_tokens"]) for r in rows)
         b = Batch(self.inflight.new_id(), rows, riders, front, decode, site, load, solo)
         for r in b.all_rows():
             self.docs[r["doc_id"]].inflight.add(r["task"])
@@ -231,7 +231,8 @@ class Dispatcher:
 
         rows = [r for r in self.queue.take_window(self.window) if self._live_row(r)]
         by_id = {request_id(r): r for r in rows}
-        reqs = [Request(rid, tuple(r["prompt_ids"]), int(r["max_tokens"]), self.request_key(r))
+        reqs = [Request(rid, tuple(r["prompt_ids"]), int(r["max_tokens"]), self.request_key(r),
+                        salt=r.get("prefix_salt"))  # adapter and images: no prefix shared across them
                 for rid, r in by_id.items()]
         routing = self.router.route(reqs) if reqs else []
         self.routed.extend(pack_routing(routing, by_id, self.max_batch_tokens))

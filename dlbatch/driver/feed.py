@@ -12,6 +12,8 @@ import queue
 import threading
 import time
 
+from dlbatch.records import prompt_length
+
 
 class BatchPrefetcher:
     """Pulls the Ray Data stream (parse, render, tokenize) on a background thread into a
@@ -115,7 +117,7 @@ class InputFeed:
                 if d.add_row(self.prepare(r)) and r.get("prompt_ids"):
                     self.docs_seen += r["doc_id"] != self._last_doc  # a document's rows come together
                     self._last_doc = r["doc_id"]
-                    self.tokens_seen += len(r["prompt_ids"]) + int(r["max_tokens"])
+                    self.tokens_seen += prompt_length(r) + int(r["max_tokens"])
 
     def _get(self, timeout: float):
         """The next block of the stream, None when none is ready; marks the end of the stream."""

@@ -14,8 +14,8 @@ import logging
 import time
 
 from dlbatch.workers.pools import MAX_RESTARTS, JobFailed
-from dlbatch.prompts import sampling, structured
-from dlbatch.records import base_task, request_id
+from dlbatch.prompts import multimodal, sampling, structured
+from dlbatch.records import base_task, prompt_length, request_id, request_inputs
 
 log = logging.getLogger("dlbatch.run")
 
@@ -35,7 +35,7 @@ class DispatchLoop:
         self.input_timeout_s = input_timeout_s  # no input for this long while every worker was idle
         self.constraints = structured.task_constraints(spec)  # task -> engine constraint (its `output:`)
         self.result_fields = (structured.result_fields(spec) + sampling.result_fields(spec)  # typed extra columns
-                              + list(postprocess_fields))
+                              + list(postprocess_fields) + multimodal.result_fields(spec))
         self.postprocess = postprocess  # the pipeline's hook on each result row (pipelines/__init__.py), or None
         self.map_reduce = self._make_map_reduce()
         self.d = self._dispatcher(pools.workers)
@@ -201,6 +201,8 @@ class DispatchLoop:
                           if k not in ("temperature", "top_p", "top_k", "seed") and not isinstance(v, dict)})
             if r.get("sampling"):  # a row's own sampling (an OpenAI batch line) never folds onto another's
                 extra["row"] = request_id(r)
+            if r.get("adapter"):  # another adapter is another model: never folded onto the base's request
+                extra["adapter"] = r["adapter"]
             if smp["temperature"] == 0 and not extra:
                 return None
             return make_sampling_key(request_id(r), smp["temperature"], smp["top_p"], smp["top_k"],
@@ -234,7 +236,8 @@ class DispatchLoop:
             constraint = smp.pop("constraint", None) or self.constraints.get(base_task(r["task"]))
             items.append({"request_id": request_id(r), "token_ids": list(r["prompt_ids"]),
                           "max_tokens": int(r["max_tokens"]), **smp,
-                          **({"constraint": constraint} if constraint is not None else {})})
+                          **({"constraint": constraint} if constraint is not None else {}),
+                          **request_inputs(r)})
         return items
 
     def _make_map_reduce(self):
@@ -253,7 +256,7 @@ class DispatchLoop:
         from dlbatch.report.progress import remaining_tokens
 
         feed, open_docs = self.feed, list(self.d.docs.values())
-        open_rows = [(len(r["prompt_ids"]), int(r["max_tokens"])) for d in open_docs for t, r in d.rows.items()
+        open_rows = [(prompt_length(r), int(r["max_tokens"])) for d in open_docs for t, r in d.rows.items()
                      if t not in d.results and r.get("prompt_ids") is not None]
         if not feed.docs_seen:
             return None

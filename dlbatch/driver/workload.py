@@ -124,6 +124,7 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
     cut to ``max_model_len``, the run's context length (`dlbatch.driver.config.RunConfig`)."""
     from connectors import input_format, list_inputs
     from connectors.parse import parse_file
+    from dlbatch.prompts.multimodal import parse_request
     from dlbatch.prompts.stage import PromptStage
 
     if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
@@ -150,7 +151,8 @@ def job_workload(spec, sample: int = 32, n_docs: int | None = None, use_report: 
         files_read += 1
         docs = parse_file({"url": url, "max_rows": sample - docs_read}, inp.format, inp.text_field, inp.id_field,
                           dict(inp.storage_options), inp.max_pages, max_file_bytes=inp.max_file_bytes,
-                          parse_timeout_s=inp.parse_timeout_s, parse_memory_mb=inp.parse_memory_mb)
+                          parse_timeout_s=inp.parse_timeout_s, parse_memory_mb=inp.parse_memory_mb,
+                          images=parse_request(spec))
         for doc in docs:
             if docs_read >= sample:
                 break

@@ -55,6 +55,8 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
     }
     if spec.output.keep_columns:  # only when set: older outputs keep their fingerprint
         fields["output.keep_columns"] = spec.output.keep_columns
+    if spec.model.adapters:  # only when set (their content: `content_fields`)
+        fields["model.adapters"] = dict(spec.model.adapters)
     for task in spec.tasks:
         fields[f"tasks.{task.name}.prompt"] = task.source
         fields[f"tasks.{task.name}.max_tokens"] = task.max_tokens
@@ -65,6 +67,10 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
             fields[f"tasks.{task.name}.sampling"] = task.sampling.model_dump(exclude_none=True)
         if task.long_inputs is not None:  # only when set: older jobs keep their fingerprint
             fields[f"tasks.{task.name}.long_inputs"] = task.long_inputs
+        if task.adapter is not None:
+            fields[f"tasks.{task.name}.adapter"] = task.adapter
+        if task.images is not None:
+            fields[f"tasks.{task.name}.images"] = task.images.model_dump()
     if "chunk" in {spec.long_inputs, *(t.long_inputs for t in spec.tasks)}:
         for key, value in spec.chunking.model_dump().items():
             fields[f"chunking.{key}"] = value
@@ -79,10 +85,15 @@ CONTENT_KEYS = ("model.identity", "model.chat_template_sha256")
 def content_fields(spec: JobSpec) -> dict[str, Any]:
     """The model's identity by content (`dlbatch.engine.hub.identity`: a Hub commit, a
     folder's config/tokenizer/weight headers, a GGUF's header) and the chat template file's
-    sha256: the same names over other weights or another template are another job."""
+    sha256, and each LoRA adapter's sha256 (`dlbatch.backends.lora.adapter_identity`): the
+    same names over other weights, another template or another adapter are another job."""
     from dlbatch.engine.loader import model_identity
 
     out: dict[str, Any] = {"model.identity": model_identity(spec.model.ref)}
+    if spec.model.adapters:  # each adapter's content: a changed adapter is another job
+        from dlbatch.backends.lora import adapter_identity
+
+        out.update({f"model.adapters.{n}.identity": adapter_identity(n, r) for n, r in sorted(spec.model.adapters.items())})
     if spec.model.chat_template:
         with open(spec.model.chat_template, "rb") as f:
             out["model.chat_template_sha256"] = hashlib.sha256(f.read()).hexdigest()

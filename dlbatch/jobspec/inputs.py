@@ -31,6 +31,9 @@ class InputSpec(BaseModel):
     # same defaults are connectors' MAX_LINE_BYTES and MAX_TEXT_CHARS
     max_line_bytes: Optional[int] = Field(16 << 20, ge=1)  # a longer JSONL/batch line: LineTooLong, never held
     max_text_chars: Optional[int] = Field(2_000_000, ge=1)  # a longer text is cut to it (text_truncated_chars)
+    # the images of one PDF its tasks ask for (docs/multimodal.md): past either, ImageBudgetExceeded
+    max_images: int = Field(64, ge=1)
+    max_image_pixels: int = Field(64_000_000, ge=1)
     # format hf, a Hub dataset id (path: org/name; connectors/hf_hub.py): folded into path, the
     # input's URL hf-dataset://org/name?config=..&split=..
     split: Optional[str] = Field(None, min_length=1)  # null: "train"

@@ -4,12 +4,16 @@ The backend names are the registry's (`dlbatch.backends.REGISTRY`), and the chec
 section that depend on the backend are its class's (`EngineBackend.validate_model`)."""
 from __future__ import annotations
 
+import os
+import re
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from dlbatch.backends import DEFAULT_BACKEND, REGISTRY, backend_class
 from dlbatch.jobspec.inputs import STRICT
+
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
 class ModelSpec(BaseModel):
@@ -28,6 +32,11 @@ class ModelSpec(BaseModel):
     # other names a request may give for this model (an OpenAI batch body's "model"), as vLLM's
     # --served-model-name: bodies written for another deployment run unchanged
     served_model_name: list[str] = Field(default_factory=list)
+    # LoRA adapters (docs/adapters.md): name -> a local folder or a Hub id (org/name[@revision]);
+    # a task runs one with `adapter: name`, an OpenAI batch line by naming it in body.model
+    adapters: dict[str, str] = Field(default_factory=dict)
+    max_loras: Optional[int] = Field(None, ge=1)  # adapters one engine batch mixes; null: all of them
+    max_lora_rank: Optional[int] = Field(None, ge=1)  # null: the largest rank of the adapters
 
     @field_validator("backend")
     @classmethod
@@ -35,6 +44,29 @@ class ModelSpec(BaseModel):
         if value not in REGISTRY:
             raise ValueError(f"{value!r} is not one of {', '.join(REGISTRY)}")
         return value
+
+    @field_validator("adapters")
+    @classmethod
+    def _check_adapters(cls, value: dict[str, str]) -> dict[str, str]:
+        """Names are request names (``[A-Za-z0-9_.-]``); a local folder is made absolute, so
+        workers started elsewhere find it; anything else must be a Hub id."""
+        from dlbatch.engine.hub import is_hub_id
+        from dlbatch.jobspec.paths import _resolve_local
+
+        out = {}
+        for name, where in value.items():
+            if not _ADAPTER_NAME.match(name):
+                raise ValueError(f"adapter name {name!r} must be letters, digits, '_', '.' or '-'")
+            if not where or not where.strip():
+                raise ValueError(f"adapter {name!r}: give a local folder or a Hub id (org/name)")
+            local = _resolve_local(where)
+            if os.path.isdir(local):
+                out[name] = local
+            elif is_hub_id(where):
+                out[name] = where
+            else:
+                raise ValueError(f"adapter {name!r}: {where!r} is neither a local folder nor a Hub id (org/name)")
+        return out
 
     @model_validator(mode="after")
     def _check_engine(self) -> "ModelSpec":
@@ -44,6 +76,11 @@ class ModelSpec(BaseModel):
             if not is_hub_id(self.name) or "@" in self.name:
                 raise ValueError(f"revision {self.revision!r} applies to a Hub id (org/name) only, "
                                  f"not to {self.name!r}")
+        if self.name in self.adapters:
+            raise ValueError(f"adapter name {self.name!r} is the base model's name: a request naming it runs the "
+                             "base model; rename the adapter")
+        if (self.max_loras is not None or self.max_lora_rank is not None) and not self.adapters:
+            raise ValueError("max_loras / max_lora_rank apply to model.adapters, and the job has none")
         backend_class(self.backend).validate_model(self)  # e.g. engine_args the backend does not take
         return self
 

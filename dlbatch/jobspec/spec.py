@@ -110,6 +110,33 @@ class JobSpec(BaseModel):
                 f"(e.g. --set cluster.colocated.chip=fast). {backend.pd_note}")
         return self
 
+    @model_validator(mode="after")
+    def _check_adapters(self) -> "JobSpec":
+        """A task's adapter is one of model.adapters (the backend runs adapters: its
+        `validate_model`)."""
+        for i, t in enumerate(self.tasks):
+            if t.adapter is not None and t.adapter not in self.model.adapters:
+                known = ", ".join(self.model.adapters) or "none: the job has no model.adapters"
+                raise ValueError(f"tasks.{i}.adapter: {t.adapter!r} is not a name of model.adapters ({known})")
+        return self
+
+    @model_validator(mode="after")
+    def _check_images(self) -> "JobSpec":
+        """Tasks with images: PDF inputs, not map-reduced, on a backend that runs images."""
+        from dlbatch.backends import backend_class
+
+        for i, t in enumerate(self.tasks):
+            if t.images is None:
+                continue
+            if self.input.format != "pdf":
+                raise ValueError(f"tasks.{i}.images: page images and figure crops come from PDF inputs, not "
+                                 f"{self.input.format} (docs/multimodal.md)")
+            if (t.long_inputs or self.long_inputs) == "chunk":
+                raise ValueError(f"tasks.{i}.images: long_inputs chunk does not map images over chunks; give the "
+                                 "task long_inputs truncate, middle or skip")
+            backend_class(self.model.backend).check_features(images=True)
+        return self
+
     def __eq__(self, other: object) -> bool:
         # settings only: the same job loaded from two places is the same job
         if isinstance(other, JobSpec):

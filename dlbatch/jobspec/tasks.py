@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -98,6 +98,26 @@ class TaskSamplingSpec(BaseModel):
 LongInputPolicy = Literal["truncate", "middle", "skip", "chunk"]
 
 
+class TaskImagesSpec(BaseModel):
+    """A task's images of a PDF (docs/multimodal.md): its page images and figure crops,
+    rendered in the parse process; scanned pages (no text layer) always come with them."""
+    model_config = STRICT
+
+    pages: Optional[Union[list[int], str]] = None  # [1, 2], "all" or "first:N"; null: none (scanned pages still)
+    figures: bool = False  # the figure and table crops, each with its caption
+    dpi: int = Field(144, ge=36, le=600)
+    format: Literal["png", "jpeg", "webp"] = "png"
+
+    @field_validator("pages")
+    @classmethod
+    def _pages(cls, v):
+        if isinstance(v, str) and not re.fullmatch(r"all|first:[1-9][0-9]*", v):
+            raise ValueError(f"pages {v!r}: give a list of page numbers, 'all' or 'first:N'")
+        if isinstance(v, list) and (not v or any(p < 1 for p in v)):
+            raise ValueError(f"pages {v!r}: page numbers start at 1 (a list of at least one)")
+        return v
+
+
 class TaskSpec(BaseModel):
     model_config = STRICT
 
@@ -111,6 +131,23 @@ class TaskSpec(BaseModel):
     raw: bool = False  # the prompt goes to the model as is, without the chat template
     long_inputs: Optional[LongInputPolicy] = None   # None: the job's long_inputs
     sampling: Optional[TaskSamplingSpec] = None     # None: the job's sampling
+    adapter: Optional[str] = Field(None, min_length=1)  # a name of model.adapters (LoRA); None: the base model
+    images: Optional[TaskImagesSpec] = None  # page images / figure crops of a PDF for a vision-language model
+
+    @model_validator(mode="after")
+    def _check_images(self) -> "TaskSpec":
+        from dlbatch.prompts.multimodal import image_references
+
+        used = image_references(self.source)
+        if used and self.images is None:
+            raise ValueError(f"task {self.name!r} uses {', '.join(used)} but asks for no images: give it images: "
+                             "(e.g. {pages: 'first:2', figures: true})")
+        if self.images is not None and self.messages is not None:
+            raise ValueError(f"task {self.name!r}: images: place images in a prompt template, not in messages")
+        if self.images is not None and self.long_inputs == "chunk":
+            raise ValueError(f"task {self.name!r}: long_inputs chunk does not map images over chunks; use "
+                             "truncate, middle or skip")
+        return self
 
     @model_validator(mode="after")
     def _check_template(self) -> "TaskSpec":

@@ -24,7 +24,7 @@ import logging
 
 from dlbatch.prompts.longdoc import ChunkPlan, plan_key
 from dlbatch.prompts.sampling import task_sampling
-from dlbatch.prompts.stage import derive_seed
+from dlbatch.prompts.stage import derive_seed, request_marks
 from dlbatch.records import RequestKey, base_task, result_row
 
 log = logging.getLogger("dlbatch.run")
@@ -91,7 +91,8 @@ class MapReduce:
                      "/".join(sorted({str(r.level) for r in new})), plan.num_chunks)
         return [{**first, "task": RequestKey(doc.doc_id, r.task, r.key).name, "task_index": r.task_index,
                  "prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens, "chunk_index": None,
-                 "seed": derive_seed(task_sampling(self.spec, r.task).seed, doc.doc_id, f"{r.task}/{r.key}")}
+                 "seed": derive_seed(task_sampling(self.spec, r.task).seed, doc.doc_id, f"{r.task}/{r.key}"),
+                 **request_marks(self.spec.tasks[self.index[r.task]].adapter)}  # the task's adapter, not first's
                 for r in new]
 
     def output_rows(self, doc, model: str, extra=None) -> list[dict]:

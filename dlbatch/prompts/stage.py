@@ -18,9 +18,11 @@ import hashlib
 import json
 import logging
 
+from connectors.images import unpack_images
 from connectors.parse import STRUCTURE_KEYS
 from connectors.repair import repair_row, repair_text
 from dlbatch.prompts.hooks import Skip, apply_preprocess
+from dlbatch.prompts.multimodal import LongInput, fit
 from dlbatch.prompts.sampling import expand_samples, task_sampling
 
 log = logging.getLogger("dlbatch.prompts.stage")
@@ -64,6 +66,10 @@ class PromptStage:
         # else a row's columns stay packed (a hook may read them: then they are unpacked)
         self.reads_row = preprocess is not None or any(reads_row(t.source) for t in self.spec.tasks)
         self.map_reduce = map_reduce   # True: `chunk` documents become ChunkPlan map rows
+        from dlbatch.prompts.multimodal import MultimodalPrompts, has_images
+
+        # image prompts (tasks with images:) through the model's processor, loaded at the first image
+        self.mm = MultimodalPrompts.for_job(spec, self.tok) if has_images(spec) else None
         # ids not to redo: a SkipSet (8 bytes per id) from the driver, or any iterable of ids
         self.skip = skip_doc_ids if isinstance(skip_doc_ids, SkipSet) else SkipSet(skip_doc_ids or ())
         from dlbatch.prompts.doc_identity import DocIdentity
@@ -123,7 +129,8 @@ class PromptStage:
             return [self._error(base, "parse", doc.get("error_type") or "ParseError", doc["error"])]
         if spec.input.format == "openai_batch":
             return self._batch_line(base, doc)
-        if not (doc.get("text") or "").strip():
+        images = unpack_images(doc.get("images")) if self.mm is not None else []
+        if not (doc.get("text") or "").strip() and not images:
             return [self._error(base, "parse", "EmptyDocument", "document has no text")]
         tasks = spec.tasks
         limit = self.max_model_len
@@ -138,41 +145,34 @@ class PromptStage:
                 return [self._error(base, "preprocess", "Skipped", f"skipped by the pipeline's preprocess: {e}"[:500])]
             except Exception as e:  # the hook failed on this document: its dead letter
                 return [self._error(base, "preprocess", type(e).__name__, f"preprocess failed: {e}"[:500])]
-        ids: dict[int, list[int]] = {}
-        errors: dict[int, Exception] = {}
-        for k in range(len(tasks)):
-            try:
-                ids[k] = self.encoder.encode(k, self._render(k, ctx))
-            except Exception as e:
-                errors[k] = e
+        ids, mm, errors = self._encode_tasks(ctx, images, doc)
         if not ids:
             e = next(iter(errors.values()))
             return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
         marks: dict[int, dict] = {k: {} for k in ids}
         try:
-            by_policy: dict[str, list[int]] = {}
-            for k, i in ids.items():
-                if len(i) > limit - tasks[k].max_tokens:
-                    if tasks[k].messages is not None:  # a chat is not cut: the task is this document's dead letter
-                        errors[k] = ValueError(f"LongInput: task {tasks[k].name!r}: the chat is {len(i)} tokens, "
-                                               f"+ max_tokens {tasks[k].max_tokens} exceeds max_model_len {limit}")
-                        continue
-                    by_policy.setdefault(tasks[k].long_inputs or spec.long_inputs, []).append(k)
-            for k in errors:
-                ids.pop(k, None)
+            by_policy = self._over_limit(ids, mm, errors)
             if not ids:
                 e = next(iter(errors.values()))
                 return [self._error(base, "prompt", "LongInput", str(e)[:500])]
             if "skip" in by_policy:
                 k = by_policy["skip"][0]
-                return [self._error(base, "prompt", "LongInput",
-                                    f"task {tasks[k].name!r}: prompt of {len(ids[k])} tokens + max_tokens "
-                                    f"{tasks[k].max_tokens} exceeds max_model_len {limit}")]
+                return [self._error(base, "prompt", "LongInput", f"task {tasks[k].name!r}: prompt of "
+                                    f"{_length(ids, mm, k)} tokens + max_tokens {tasks[k].max_tokens} exceeds "
+                                    f"max_model_len {limit}")]
             for policy in ("truncate", "middle"):
-                if policy in by_policy:
-                    cut_ids, mark = self._truncate(ctx, by_policy[policy], limit, policy)
+                text_ks = [k for k in by_policy.get(policy, []) if k not in mm]
+                if text_ks:
+                    cut_ids, mark = self._truncate(ctx, text_ks, limit, policy)
                     for k, i in cut_ids.items():
                         ids[k], marks[k] = i, mark
+                for k in (k for k in by_policy.get(policy, []) if k in mm):  # images: cut by text, then by page
+                    try:
+                        mm[k], marks[k] = self._image_task(k, ctx, images, doc, policy)
+                        ids[k] = mm[k].ids
+                    except LongInput as e:
+                        errors[k] = e
+                        ids.pop(k)
             map_rows = self._chunk(base, doc, ctx, [tasks[k] for k in by_policy.get("chunk", [])])
         except Exception as e:
             return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
@@ -189,8 +189,63 @@ class PromptStage:
                 out.append({**base, "task": t.name, "task_index": k, "prompt_ids": ids[k], "max_tokens": t.max_tokens,
                             "truncated": bool(marks[k]),
                             "seed": derive_seed(task_sampling(spec, t.name).seed, doc["doc_id"], t.name),
-                            "stage": None, "error_type": None, "error": None, **_NO_MARK, **marks[k]})
+                            "stage": None, "error_type": None, "error": None, **_NO_MARK, **marks[k],
+                            **request_marks(t.adapter, mm.get(k))})
         return expand_samples(spec, out) + map_rows
+
+    def _encode_tasks(self, ctx: dict, images: list[dict], doc: dict):
+        """Every task's prompt: ({task index: token ids}, {task index: `Encoded` image prompt},
+        {task index: its exception}). A document without text (scanned pages only) reaches
+        the tasks with images alone."""
+        ids, mm, errors = {}, {}, {}
+        empty = not (doc.get("text") or "").strip()
+        for k, t in enumerate(self.spec.tasks):
+            try:
+                if t.images is not None:
+                    mm[k], _ = self._image_task(k, ctx, images, doc)
+                    ids[k] = mm[k].ids
+                elif empty:
+                    errors[k] = EmptyDocument(f"task {t.name!r}: the document has no text layer; its scanned pages "
+                                              "reach the tasks with images: only")
+                else:
+                    ids[k] = self.encoder.encode(k, self._render(k, ctx))
+            except Exception as e:
+                errors[k] = e
+        return ids, mm, errors
+
+    def _over_limit(self, ids: dict, mm: dict, errors: dict) -> dict[str, list[int]]:
+        """The tasks whose prompt + max_tokens do not fit, by long-input policy (image tokens
+        counted); a chat that does not fit is its task's error (a chat is not cut). Tasks in
+        ``errors`` leave ``ids``."""
+        tasks, limit, by_policy = self.spec.tasks, self.max_model_len, {}
+        for k in list(ids):
+            n = _length(ids, mm, k)
+            if n > limit - tasks[k].max_tokens:
+                if tasks[k].messages is not None:
+                    errors[k] = ValueError(f"LongInput: task {tasks[k].name!r}: the chat is {n} tokens, "
+                                           f"+ max_tokens {tasks[k].max_tokens} exceeds max_model_len {limit}")
+                    continue
+                by_policy.setdefault(tasks[k].long_inputs or self.spec.long_inputs, []).append(k)
+        for k in errors:
+            ids.pop(k, None)
+        return by_policy
+
+    def _image_task(self, k: int, ctx: dict, images: list[dict], doc: dict, policy: str | None = None):
+        """Task k's image prompt (`dlbatch.prompts.multimodal`) and its long-input marks: as
+        rendered (``policy`` None), or fitted to the context by ``policy`` (truncate, middle)."""
+        from dlbatch.prompts.templates import document_context
+
+        t, pages = self.spec.tasks[k], int(doc.get("pages") or 0)
+        render = lambda c: self._render(k, c)  # noqa: E731
+        if policy is None:
+            return self.mm.task_prompt(t, render, ctx, images, pages), {}
+        text_ids = self.tok.encode(ctx["text"], add_special_tokens=False)
+        body = document_context(ctx)["text_without_references"]
+        body_ids = text_ids if body == ctx["text"] else self.tok.encode(body, add_special_tokens=False)
+        cut = lambda n: (self._cut(text_ids, n, policy), self._cut(body_ids, n, policy))  # noqa: E731
+        enc, kept, _ = fit(lambda n, drop: self.mm.task_prompt(t, render, ctx, images, pages, cut(n), drop),
+                           len(text_ids), self.max_model_len - t.max_tokens, f"task {t.name!r}")
+        return enc, {"long_input_policy": policy, "doc_tokens": len(text_ids), "kept_tokens": kept}
 
     def _batch_line(self, base: dict, doc: dict) -> list[dict]:
         """An OpenAI batch request line (connectors/openai_batch.py) -> its request row(s): one
@@ -203,28 +258,52 @@ class PromptStage:
         A body `translate` refuses, or one that does not fit max_model_len (``LongInput``),
         is that line's dead letter, naming the key or the sizes."""
         from connectors.columns import unpack
-        from connectors.openai_batch import CHAT_DEFAULT_MAX_TOKENS, TASK, InvalidRequest, translate
+        from connectors.openai_batch import BAD_REQUEST, CHAT_DEFAULT_MAX_TOKENS, TASK, InvalidRequest, translate
 
         cols = unpack(doc.get("columns"))
         try:
-            req = translate(cols.get("url"), json.loads(cols.get("body") or "null"), self.spec.model.served_names)
+            req = translate(cols.get("url"), json.loads(cols.get("body") or "null"), self.spec.model.served_names,
+                            tuple(self.spec.model.adapters))
         except InvalidRequest as e:
             return [self._error(base, "prompt", e.code, str(e)[:500])]
-        ids = self.encoder.encode(0, req["messages"]) if req["chat"] else self.tok.encode(req["prompt"])
+        enc = None  # the chat's images, if any, through the model's processor
+        if req["chat"] and any(isinstance(m["content"], list) for m in req["messages"]):
+            try:
+                enc = self._line_images(req["messages"])
+            except ValueError as e:
+                return [self._error(base, "prompt", BAD_REQUEST, str(e)[:500])]
+            ids, length = enc.ids, enc.length
+        else:
+            ids = self.encoder.encode(0, req["messages"]) if req["chat"] else self.tok.encode(req["prompt"])
+            length = len(ids)
         limit, task = self.max_model_len, self.spec.tasks[0]
         max_tokens = req["max_tokens"]
         if max_tokens is None:
-            max_tokens = min(CHAT_DEFAULT_MAX_TOKENS, limit - len(ids)) if req["chat"] else task.max_tokens
-        if max_tokens < 1 or len(ids) + max_tokens > limit:
+            max_tokens = min(CHAT_DEFAULT_MAX_TOKENS, limit - length) if req["chat"] else task.max_tokens
+        if max_tokens < 1 or length + max_tokens > limit:
             return [self._error(base, "prompt", "LongInput",
-                                f"the {'chat' if req['chat'] else 'prompt'} is {len(ids)} tokens, + max_tokens "
-                                f"{max_tokens} exceeds max_model_len {limit}")]
+                                f"the {'chat' if req['chat'] else 'prompt'} is {length} tokens"
+                                + (f" ({enc.image_tokens} of them for {len(enc.images)} images)" if enc else "")
+                                + f", + max_tokens {max_tokens} exceeds max_model_len {limit}")]
         seed = req["seed"] if req["seed"] is not None else derive_seed(task_sampling(self.spec, TASK).seed,
                                                                        doc["doc_id"], TASK)
         row = {**base, "task": TASK, "task_index": 0, "prompt_ids": ids, "max_tokens": max_tokens, "truncated": False,
                "seed": seed, "stage": None, "error_type": None, "error": None, **_NO_MARK,
-               "sampling": json.dumps(req["sampling"], sort_keys=True) if req["sampling"] else None}
+               "sampling": json.dumps(req["sampling"], sort_keys=True) if req["sampling"] else None,
+               **request_marks(req["adapter"], enc)}
         return expand_samples(self.spec, [row])
+
+    def _line_images(self, messages: list[dict]):
+        """An OpenAI batch chat with image parts -> its `Encoded` prompt (the model's processor
+        loaded at the first such line); ValueError naming why it cannot run: a backend without
+        image inputs, a model without an image processor, an image that is not one."""
+        from dlbatch.backends import backend_class
+        from dlbatch.prompts.multimodal import MultimodalPrompts
+
+        backend_class(self.spec.model.backend).check_features(images=True)
+        if self.mm is None:
+            self.mm = MultimodalPrompts.for_job(self.spec, self.tok)
+        return self.mm.chat_prompt(messages)
 
     def _context(self, doc: dict) -> dict:
         from connectors.columns import unpack
@@ -263,7 +342,9 @@ class PromptStage:
                  "seed": derive_seed(task_sampling(spec, r.task).seed, doc["doc_id"], f"{r.task}/{r.key}"),
                  "stage": None, "error_type": None, "error": None, "long_input_policy": "chunk",
                  "doc_tokens": len(plan.ids), "kept_tokens": len(plan.ids), "chunk_index": r.index,
-                 "chunk_count": plan.num_chunks, "chunk_plan": state} for r in plan.map_requests()]
+                 "chunk_count": plan.num_chunks, "chunk_plan": state,
+                 **request_marks(spec.tasks[index[r.task]].adapter)}
+                for r in plan.map_requests()]
 
     def _truncate(self, ctx: dict, ks: list[int], limit: int, policy: str = "truncate"):
         """Cut the document so every task of ``ks`` fits: its head (``truncate``) or its
@@ -302,8 +383,30 @@ class PromptStage:
                 "seed": 0, "stage": stage, "error_type": etype, "error": repair_text(msg), **_NO_MARK}
 
 
+class EmptyDocument(ValueError):
+    """A task's document has nothing the task reads (no text layer, and the task asks for no images)."""
+
+
+def _length(ids: dict, mm: dict, k: int) -> int:
+    """Task k's prompt length in the engine: its token ids, its images' tokens for their placeholders."""
+    return mm[k].length if k in mm else len(ids[k])
+
+
 _NO_MARK = {"long_input_policy": None, "doc_tokens": None, "kept_tokens": None, "chunk_index": None,
             "chunk_count": None, "chunk_plan": None}
+
+
+def request_marks(adapter: str | None, images=None) -> dict:
+    """A request row's adapter and images (docs/adapters.md, docs/multimodal.md): ``images``
+    an `dlbatch.prompts.multimodal.Encoded` prompt's (compressed bytes in prompt order, the
+    tokens they take in the engine), and the prefix salt of both (`dlbatch.records.prefix_salt`)."""
+    from dlbatch.records import prefix_salt
+
+    marks = {"adapter": adapter, "images": None, "image_tokens": None, "prefix_salt": prefix_salt(adapter)}
+    if images is not None and images.images:
+        marks.update(images=[i.data for i in images.images], image_tokens=images.image_tokens,
+                     prefix_salt=prefix_salt(adapter, [i.digest for i in images.images]))
+    return marks
 
 
 def request_schema():
@@ -316,4 +419,7 @@ def request_schema():
                       ("error_type", pa.string()), ("error", pa.string()),
                       ("long_input_policy", pa.string()), ("doc_tokens", pa.int64()), ("kept_tokens", pa.int64()),
                       ("chunk_index", pa.int64()), ("chunk_count", pa.int64()), ("chunk_plan", pa.string()),
-                      ("columns", pa.binary()), ("sampling", pa.string()), ("doc_version", pa.string())])
+                      ("columns", pa.binary()), ("sampling", pa.string()), ("doc_version", pa.string()),
+                      # a LoRA adapter's name, the images (compressed bytes) and the tokens they take
+                      ("adapter", pa.string()), ("images", pa.list_(pa.binary())), ("image_tokens", pa.int64()),
+                      ("prefix_salt", pa.string())])

@@ -17,6 +17,8 @@ The variables a template may use are :data:`TEMPLATE_VARIABLES`::
     references               the reference list's text ("" when none)
     text_without_references  the text less the references part (heading included)
     section(name)            a section's text, its subsections included (see below)
+    page_images, page_image(n), figures, figure("Figure 3")
+                             a task's images (its ``images:``; docs/multimodal.md)
     row      the input row's columns (JSONL, Parquet, datasets): ``{{ row.question }}``,
              ``{{ row["a b"] }}``; the text column is the document's text
 
@@ -84,8 +86,11 @@ __all__ = [
     "find_section",
 ]
 
+# a task's images (docs/multimodal.md, dlbatch/prompts/multimodal.py): markers the prompt stage
+# turns into the chat message's image parts; without the task's ``images:`` none is rendered
+IMAGE_VARIABLES: tuple[str, ...] = ("page_images", "page_image", "figures", "figure")
 TEMPLATE_VARIABLES: tuple[str, ...] = ("text", "title", "doc_id", "source", "pages", "abstract", "references",
-                                        "text_without_references", "section", "row")
+                                        "text_without_references", "section", "row") + IMAGE_VARIABLES
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
@@ -370,6 +375,13 @@ def find_section(sections: Sequence[Mapping[str, Any]], name: str) -> str:
     return "\n\n".join(p for p in pieces if p)
 
 
+def _no_image(*args):
+    raise ValueError("this task renders no images: give it images: (docs/multimodal.md)")
+
+
+_NO_IMAGES = {"page_images": "", "figures": "", "page_image": _no_image, "figure": _no_image}
+
+
 def document_context(doc: Mapping[str, Any]) -> dict:
     """What templates see for one document: the plain fields as given, the structure
     fields with their defaults (no structure -> "" / the whole text), ``section``."""
@@ -385,6 +397,8 @@ def document_context(doc: Mapping[str, Any]) -> dict:
         context["text_without_references"] = (
             (text[:span[0]] + text[span[1]:]).strip("\n") if span else text)
     context["section"] = lambda name: find_section(sections, name)
+    for k in IMAGE_VARIABLES:  # the task's images when it asks for them (dlbatch/prompts/multimodal.py)
+        context[k] = doc[k] if k in doc else _NO_IMAGES[k]
     row = doc.get("row") or {}
     context["row"] = row
     for k, v in row.items():  # columns by their plain names, where no variable has the name

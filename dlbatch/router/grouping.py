@@ -22,8 +22,8 @@ class Request:
 
     sampling_key: None means deterministic (greedy) decoding. Otherwise a hashable that
     determines the output together with the prompt, e.g. (temperature, top_p, seed).
-    Requests are folded as duplicates only when prompt, max_tokens and sampling_key are
-    equal and the key is deterministic; build keys with `make_sampling_key`, which makes
+    Requests are folded as duplicates only when prompt, max_tokens, sampling_key and salt
+    are equal and the key is deterministic; build keys with `make_sampling_key`, which makes
     unseeded random sampling unique per request so it is never folded.
     """
 
@@ -31,6 +31,7 @@ class Request:
     token_ids: tuple[int, ...]
     max_tokens: int
     sampling_key: Hashable | None = None
+    salt: str | None = None  # what the prompt is computed under besides its ids: adapter, images (prefix_salt)
     _hashes: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -66,7 +67,7 @@ class Request:
         if chain is None:
             if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
                 raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-            chain = chain_hashes(array("i", self.token_ids), block_size)
+            chain = chain_hashes(array("i", self.token_ids), block_size, self.salt)
             self._hashes[block_size] = chain
         return chain
 
@@ -107,7 +108,7 @@ def _check_unique_ids(requests: Sequence[Request]) -> None:
 
 
 def fold_duplicates(requests: Iterable[Request]) -> tuple[list[Request], dict[str, list[str]]]:
-    """Fold exact duplicates: same token_ids, max_tokens and sampling_key.
+    """Fold exact duplicates: same token_ids, max_tokens, sampling_key and salt.
 
     Returns (unique requests in first-seen order, fanout) where fanout maps the id of a
     kept request to the ids of the requests folded into it (only ids with duplicates).
@@ -118,7 +119,7 @@ def fold_duplicates(requests: Iterable[Request]) -> tuple[list[Request], dict[st
     unique: list[Request] = []
     fanout: dict[str, list[str]] = {}
     for r in requests:
-        key = (r.token_ids, r.max_tokens, r.sampling_key)
+        key = (r.token_ids, r.max_tokens, r.sampling_key, r.salt)
         kept = first.get(key)
         if kept is None:
             first[key] = r

@@ -11,8 +11,8 @@ prompt's prefix at block granularity, trie order (Liu et al., MLSys'25; BatchLLM
 2412.03594, do the same on the whole input ahead of time): documents whose first prompts
 share k blocks are adjacent, for every k, so a prefix group reaches the workers in one run.
 
-How. A document's key is the hash of its first request's prompt over the first
-``bs * d`` tokens, for d in ``depths`` (blocks; a prompt shorter than a depth keys that
+How. A document's key is the hash of its first request's prompt (under its prefix salt:
+its adapter and images) over the first ``bs * d`` tokens, for d in ``depths`` (blocks; a prompt shorter than a depth keys that
 depth by its whole length, so two short prompts match there only when equal). Documents
 are sorted by these hashes, shallowest first, arrival order last: sharing the first d
 blocks means sharing the first d' < d blocks, so the sort is a trie walk at those depths.
@@ -61,17 +61,21 @@ class PrefixOrder:
         self.nbytes += table.nbytes
         ids = table.column("doc_id").to_pylist()
         prompts = table.column("prompt_ids")
+        salts = table.column("prefix_salt").to_pylist() if "prefix_salt" in table.column_names else None
         start = 0
         for i in range(1, len(ids) + 1):
             if i == len(ids) or ids[i] != ids[start]:
-                self._docs.append((self._key(prompts[start]), self._arrival, t, start, i))
+                key = self._key(prompts[start], salts[start] if salts else None)
+                self._docs.append((key, self._arrival, t, start, i))
                 self._arrival += 1
                 start = i
         self._sorted = False
         return self._arrival
 
-    def _key(self, prompt) -> tuple:
-        """Hashes of the prompt's first ``bs * d`` tokens per depth d; () without a prompt."""
+    def _key(self, prompt, salt: str | None = None) -> tuple:
+        """Hashes of the prompt's first ``bs * d`` tokens per depth d, under the request's
+        ``salt`` (its adapter and images: prompts of two adapters never sort as one prefix);
+        () without a prompt."""
         import numpy as np
 
         values = prompt.values if prompt.is_valid else None
@@ -79,10 +83,13 @@ class PrefixOrder:
             return ()
         ids = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.int64)
         raw = memoryview(ids.tobytes())
+        seed = salt.encode() if salt else b""
         out = []
         for d in self.depths:
             n = min(len(ids), d * self.block_size)
-            out.append(int.from_bytes(hashlib.blake2b(raw[:n * 8], digest_size=8).digest(), "little"))
+            h = hashlib.blake2b(seed, digest_size=8)
+            h.update(raw[:n * 8])
+            out.append(int.from_bytes(h.digest(), "little"))
             if n == len(ids):  # deeper depths are the whole prompt too
                 out.extend([out[-1]] * (len(self.depths) - len(out)))
                 break

@@ -45,13 +45,15 @@ def block_hashes(token_ids: Sequence[int], block_size: int = 16) -> list[bytes]:
     return chain_hashes(_pack(token_ids), block_size)
 
 
-def chain_hashes(packed: array, block_size: int) -> list[bytes]:
-    """`block_hashes` of already validated token ids packed as `array('i')`."""
+def chain_hashes(packed: array, block_size: int, salt: str | None = None) -> list[bytes]:
+    """`block_hashes` of already validated token ids packed as `array('i')`. A ``salt`` (a
+    request's adapter and images: `dlbatch.records.prefix_salt`) seeds the chain, so equal
+    token ids under different salts share no block, as in the engine's cache."""
     view = memoryview(packed).cast("B")
     step = block_size * packed.itemsize
     out: list[bytes] = []
-    prev = b""
     blake = hashlib.blake2b
+    prev = blake(salt.encode(), digest_size=DIGEST_SIZE).digest() if salt else b""
     for i in range(len(packed) // block_size):
         h = blake(prev, digest_size=DIGEST_SIZE)
         h.update(view[i * step : (i + 1) * step])
