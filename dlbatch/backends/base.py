@@ -55,6 +55,7 @@ package branches on a backend's name (`dlbatch.backends.REGISTRY` maps names to 
   arguments, the model's architecture, an explicit max_model_len against the context);
 - ``limits(model, hf_config)``: the context length it runs the model with and the worker
   roles it fills (`ModelLimits`), one rule for job load, the prompt stage and the workers;
+- ``devices_per_replica(model)``: the devices one worker drives (a GPU pool's ``num_gpus``);
 - ``worker_spec(model, pool, ...)``: what each worker of a pool builds (`WorkerSpec`).
 
 A backend that fills the prefill and decode roles implements `DisaggregatedBackend`, the
@@ -138,6 +139,12 @@ class EngineBackend(ABC):
         if context is not None and context < DEFAULT_MAX_MODEL_LEN:
             return ModelLimits(context, f"the model's context ({model.name!r} config.json)", cls.roles)
         return ModelLimits(DEFAULT_MAX_MODEL_LEN, "the engines' default max_model_len", cls.roles)
+
+    @classmethod
+    def devices_per_replica(cls, model) -> int:
+        """Accelerator devices one worker (replica) drives for the job's ``model`` section:
+        the ``num_gpus`` of a worker on a GPU pool. One engine per device: 1."""
+        return 1
 
     @classmethod
     def worker_spec(cls, model, pool, *, max_model_len: int, max_batch_tokens: int, num_threads: int) -> WorkerSpec:

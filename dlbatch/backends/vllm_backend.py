@@ -145,6 +145,12 @@ class VllmBackend(EngineBackend):
         return unavailable_reason()
 
     @classmethod
+    def devices_per_replica(cls, model) -> int:
+        """A replica's tensor-parallel shards times its pipeline stages (``model.engine_args``)."""
+        args = dict(model.engine_args)
+        return int(args.get("tensor_parallel_size") or 1) * int(args.get("pipeline_parallel_size") or 1)
+
+    @classmethod
     def check_model(cls, model, hf_config: dict) -> None:
         """engine_args are vLLM's `EngineArgs` (vLLM imported only when there are any); an
         explicit max_model_len within the model's context. The architecture is vLLM's to

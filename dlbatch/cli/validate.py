@@ -101,9 +101,20 @@ def _config(spec) -> int:
         config = RunConfig.resolve(spec)
     except (ValueError, JobFailed) as e:
         raise Invalid(str(e)) from None
-    print(f"model: backend {config.backend.name}, max_model_len {config.max_model_len:,} ({config.context_source}); "
-          f"pools {', '.join(f'{r} x{p.replicas}' for r, p in config.pools.items())}")
+    print(f"model: backend {config.backend.name}, max_model_len {config.max_model_len:,} ({config.context_source})")
+    print(f"layout: {layout_line(config.layout)}")
     return config.max_model_len
+
+
+def layout_line(layout) -> str:
+    """The pools a run starts and who chose them (`dlbatch.driver.layout.Layout`; None: an
+    attached cluster's, chosen when the run sees its chips)."""
+    if layout is None:
+        return ("chosen by the solver when the run attaches to the cluster, from its nodes' chip:<name> resources "
+                "(docs/cluster.md)")
+    pools = ", ".join(f"{r} {p.chip} x{p.replicas}" + (f" ({p.device})" if p.device != "cpu" else "")
+                      for r, p in layout.pools.items())
+    return f"{pools}; chosen by {layout.source}: {layout.reason}"
 
 
 def _inputs(spec) -> list[str]:
@@ -222,7 +233,7 @@ def _prompts(spec, files: list[str], n_docs: int, show_chars: int, max_model_len
 
 def _estimate(spec, n_docs: int, max_model_len: int) -> None:
     try:
-        from dlbatch.cli.solver import default_chip_files, local_available
+        from dlbatch.driver.chips import default_chip_files, local_available
         from dlbatch.driver.workload import job_workload
         from dlbatch.solver.commands import load_chips, plan_command
 

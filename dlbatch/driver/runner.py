@@ -187,6 +187,9 @@ class JobRunner:
         from pipelines import get_pipeline
 
         spec = self.spec
+        if config.layout is None:  # cluster: auto on an attached cluster: its chips decide
+            config = self._cluster_layout(config, report)
+        report.layout = config.layout
         pools = self.pools = WorkerPools(config, self.resource_timeout_s)
         prefetch = None
         try:
@@ -203,6 +206,20 @@ class JobRunner:
                 prefetch.close()
             pools.stop()
             self.pools = None
+
+    def _cluster_layout(self, config, report):
+        """The solver's layout on the attached cluster's ``chip:`` resources (Ray attached first)."""
+        import ray
+
+        from dlbatch.driver.chips import cluster_chips
+        from dlbatch.workers.session import start_ray
+
+        report.startup.start("layout")
+        start_ray(self.spec.cluster.address, {})
+        config = config.with_chips(cluster_chips(ray.cluster_resources()))
+        report.startup.end("layout")
+        log.info("layout: %s", config.layout.reason)
+        return config
 
     def _drive(self, store, batches, pools, report, docs_total_hint: int | None):
         """Run the DispatchLoop; returns the finishing step of the report (`_Finish`)."""
