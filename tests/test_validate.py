@@ -23,7 +23,7 @@ def test_every_shipped_job_validates(job, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "is valid" in out and "inputs: " in out and "prompt tokens" in out and "estimate: " in out
-    assert not os.listdir(tmp_path / "out" / "_tmp")  # the write probe is gone
+    assert not (tmp_path / "out").exists()  # validate writes nothing: no probe, no folder
 
 
 def _one_line_error(err: str) -> str:

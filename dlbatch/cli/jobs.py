@@ -79,13 +79,7 @@ def cmd_run(args) -> int:
 
         with fsspec.open(plan_path, "r") as f:
             plan = json.load(f)
-    from pipelines import get_pipeline
-
-    try:
-        get_pipeline(spec.pipeline)
-    except ValueError as e:
-        print(f"invalid job file: pipeline: {e}", file=sys.stderr)
-        return EXIT_INVALID
+    from dlbatch.driver.checks import JobInvalid
     from dlbatch.output.lease import LeaseHeld, LeaseLost
     from dlbatch.driver.runner import JobFailed, JobRunner
 
@@ -101,6 +95,9 @@ def cmd_run(args) -> int:
         print(f"interrupted: {_committed(spec)}; rerun the same command to resume (nothing committed is redone)",
               file=sys.stderr)
         return EXIT_INTERRUPTED
+    except JobInvalid as e:  # what `dlbatch validate` refuses, refused before anything started
+        print(f"invalid job: {e}", file=sys.stderr)
+        return EXIT_INVALID
     except LeaseHeld as e:
         print(f"job not started: {e}", file=sys.stderr)
         return EXIT_BUSY
