@@ -111,7 +111,7 @@ def _prompts(spec, files: list[str], n_docs: int, show_chars: int, max_model_len
     from dlbatch.records import base_task
 
     inp = spec.input
-    stage = PromptStage(spec, max_model_len=max_model_len)
+    stage = PromptStage(spec, map_reduce=True, max_model_len=max_model_len)  # as the run's: `chunk` plans map rows
     docs: list[tuple[dict, list[dict]]] = []
     for url in files:
         if len(docs) >= n_docs:

@@ -105,6 +105,7 @@ class RunConfig:
                             "docs/backends.md)")
         pools = {}
         for role, p in sections.items():
+            self.backend.check_pool(spec.model, role, p)  # a plan's or the solver's pools too
             worker = self.backend.worker_spec(spec.model, p, max_model_len=self.max_model_len,
                                               max_batch_tokens=spec.batching.max_batch_tokens,
                                               num_threads=worker_threads(p, len(sections)))

@@ -110,6 +110,8 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"model.backend {backend.name} runs {'/'.join(backend.roles)} workers only: set cluster.colocated "
                 f"(e.g. --set cluster.colocated.chip=fast). {backend.pd_note}")
+        for role, pool in self.cluster.pools().items():
+            backend.check_pool(self.model, role, pool)  # its num_gpus: the devices a replica drives
         return self
 
     def __eq__(self, other: object) -> bool:
