@@ -1,5 +1,6 @@
 """Shared fixtures: one local Ray for the whole test session, bound to 127.0.0.1, with the
-chip resources the sample jobs name; a Ray temp dir of a test's own (raytmp); a moto S3
+chip resources the sample jobs use (cpu-local: the solver's layout of a local run; fast and
+cheap: the pools jobs/papers_pd.yaml names); a Ray temp dir of a test's own (raytmp); a moto S3
 server on 127.0.0.1 (s3_server, s3_options, s3_bucket). Shared helpers that are not
 fixtures live in tests/helpers/. ``DLBATCH_TEST_HIDE=libibverbs`` hides that system library
 from the test process (tests/helpers/optional.py)."""
@@ -30,7 +31,7 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, resources={"chip:fast": 4, "chip:cheap": 4},
+        ray.init(address="local", num_cpus=8, resources={"chip:fast": 4, "chip:cheap": 4, "chip:cpu-local": 4},
                  include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -23,7 +23,7 @@ from tests.helpers.cluster import (CLUSTER_TOKEN, JOB_TIMEOUT, ROOT, TINY, Local
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = LocalCluster({"chip:fast": 2, "chip:cheap": 2})
+    c = LocalCluster({"chip:cpu-local": 2})  # one chip type, profiled: jobs naming no pools run colocated on it
     c.start()
     try:
         yield c
@@ -119,6 +119,9 @@ def test_submit_wait_then_logs(cluster, tmp_path):
     assert _client(cluster).get_job_status(sid).value == "SUCCEEDED"
     report = assert_complete(out, docs=1)
     assert report["docs_this_run"] == 1
+    # no pools named: the solver's layout on the cluster's chip resources, one type: colocated on every slot
+    assert report["layout"]["chosen_by"] == "solver" and report["layout"]["chips"] == {"cpu-local": 2}
+    assert report["pools"]["colocated"]["replicas"] == 2
 
     # logs, here without RAY_AUTH_MODE: dlbatch finds the token and sends it itself
     env = cluster_env()
@@ -176,8 +179,9 @@ def test_run_attached_and_its_report(cluster, tmp_path):
     from dlbatch.report.html import HEADLINE_KEYS
 
     out = tmp_path / "attached"
-    r = run_dlbatch("run", "jobs/papers.yaml", "--address", cluster.gcs, "--no-progress",
-                "--set", f"output.path={out}", *TINY)
+    r = run_dlbatch("run", "jobs/papers_pd.yaml", "--address", cluster.gcs, "--no-progress",
+                "--set", f"output.path={out}", "--set", "cluster.prefill.chip=cpu-local",
+                "--set", "cluster.decode.chip=cpu-local", *TINY)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert f"attached to Ray cluster at {cluster.gcs}" in r.stderr  # not an embedded local Ray
     report = assert_complete(out, docs=1)

@@ -28,7 +28,7 @@ EXTRA = ["input.limit=3", "model.dtype=float32", "batching.max_inflight_batches=
 @pytest.fixture(scope="module")
 def reference(ray_local, sample_model, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ref") / "out")
-    run_job("jobs/papers.yaml", out, EXTRA)
+    run_job("jobs/papers_pd.yaml", out, EXTRA)
     rows = canon(output_rows(out))
     assert len(rows) == 9
     return rows
@@ -52,7 +52,7 @@ def _in_call(pid: int, method: bytes) -> bool:
 def test_pd_worker_kill9_outputs_equal_uninterrupted(ray_local, reference, tmp_path, role, method):
     rng = random.Random(_seed())
     out = str(tmp_path / "out")
-    runner, t, box = run_until_inflight(load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, *EXTRA]), 400)
+    runner, t, box = run_until_inflight(load_job("jobs/papers_pd.yaml", [f"output.path={out}", *SHORT, *EXTRA]), 400)
     pid = ray_local.get(runner.workers[role][0].ping.remote(), timeout=60)["pid"]
     # a seeded moment inside the worker's call: wait until its process title names the call,
     # then up to 0.25 s more

@@ -11,7 +11,7 @@ import pytest
 
 from dlbatch.testing.faultfs import FaultPlan, install
 from tests.helpers.fake_workers import FakeWorker
-from tests.helpers.jobs import SEQ, canon, output_rows, run_job, write_jsonl
+from tests.helpers.jobs import PD_POOLS, SEQ, canon, output_rows, run_job, write_jsonl
 
 DOCS3 = {"alpha": "Solar cells convert light into electricity with perovskite absorbers. " * 4,
          "beta": "Songbirds migrate at night and time their departure by day length. " * 4,
@@ -193,7 +193,7 @@ def _pools(via, workers):
     from dlbatch.workers.pools import WorkerPools
     from dlbatch.jobspec import load_job
 
-    p = WorkerPools(RunConfig.resolve(load_job("jobs/papers_jsonl.yaml", [])))
+    p = WorkerPools(RunConfig.resolve(load_job("jobs/papers_jsonl.yaml", PD_POOLS)))
     p.kv_via, p.workers = via, workers
     return p
 

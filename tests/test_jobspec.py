@@ -63,10 +63,13 @@ def test_papers_yaml_contents(monkeypatch):
     assert spec.model.name == "smollm2-135m-instruct"
     assert spec.input.format == "pdf" and spec.input.path == str(REPO / "samples" / "papers")
     assert spec.output.path == str(REPO / "out" / "papers")
-    assert (spec.cluster.prefill.chip, spec.cluster.decode.chip) == ("fast", "cheap")
-    assert spec.cluster.prefill.num_cpus == 0.5 and spec.cluster.decode.num_cpus == 0.5
-    assert spec.cluster.prefill.replicas == spec.cluster.decode.replicas == 1
-    assert spec.cluster.mode == "disaggregated" and set(spec.cluster.pools()) == {"prefill", "decode"}
+    assert spec.cluster.mode == "auto" and spec.cluster.pools() == {} and spec.cluster.layout_source == "solver"
+    pd = load_job("jobs/papers_pd.yaml")  # the same job on named prefill/decode pools
+    assert (pd.cluster.prefill.chip, pd.cluster.decode.chip) == ("fast", "cheap")
+    assert pd.cluster.prefill.num_cpus == 0.5 and pd.cluster.decode.num_cpus == 0.5
+    assert pd.cluster.prefill.replicas == pd.cluster.decode.replicas == 1
+    assert pd.cluster.mode == "disaggregated" and set(pd.cluster.pools()) == {"prefill", "decode"}
+    assert pd.cluster.layout_source == "job" and pd.tasks == spec.tasks and pd.model == spec.model
 
 
 def test_jsonl_and_daily_job_inputs(monkeypatch):
@@ -100,9 +103,13 @@ def test_defaults_match_the_documented_job(tmp_path, monkeypatch):
     assert spec.retries.max_attempts == 3
     c = spec.cluster
     assert c.address is None and c.plan is None and c.colocated is None and c.kv_transport == "auto"
-    assert c.prefill.model_dump() == {"chip": "fast", "replicas": 1, "device": "cpu", "num_cpus": 1.0, "num_gpus": 0.0,
-                                      "kv_cache_memory": None}
-    assert c.decode.chip == "cheap"
+    assert c.prefill is None and c.decode is None and c.mode == "auto"  # the solver picks the pools
+    assert (c.objective, c.ttft_target_s) == ("cost", None)
+    from dlbatch.jobspec.cluster import DecodePoolSpec, PrefillPoolSpec
+
+    assert PrefillPoolSpec().model_dump() == {"chip": "fast", "replicas": 1, "device": "cpu", "num_cpus": 1.0,
+                                              "num_gpus": 0.0, "kv_cache_memory": None}
+    assert DecodePoolSpec().chip == "cheap"
 
 
 def test_to_dict_round_trips():

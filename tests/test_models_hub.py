@@ -124,13 +124,13 @@ def test_unknown_engine_args_of_our_engine_are_named(tmp_path):
     spec = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", "model.engine_args.max_num_seqs=8"])
     from dlbatch.driver.config import RunConfig
 
-    assert RunConfig.resolve(spec).pools["prefill"].worker.engine.max_num_seqs == 8
+    assert RunConfig.resolve(spec).pools["colocated"].worker.engine.max_num_seqs == 8
 
 
 def test_vllm_backend_with_pd_pools_is_refused_with_the_fix(tmp_path):
     with pytest.raises(JobSpecError, match=r"colocated workers only: set cluster.colocated.*GPUs only"):
-        load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", "model.backend=vllm"])
-    spec = load_job("jobs/papers.yaml", [f"output.path={tmp_path / 'o'}", "model.backend=vllm",
+        load_job("jobs/papers_pd.yaml", [f"output.path={tmp_path / 'o'}", "model.backend=vllm"])
+    spec = load_job("jobs/papers_pd.yaml", [f"output.path={tmp_path / 'o'}", "model.backend=vllm",
                                          "cluster.colocated.chip=fast"])
     assert spec.cluster.mode == "colocated" and fingerprint_fields(spec)["model.backend"] == "vllm"
 

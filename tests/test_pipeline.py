@@ -28,7 +28,7 @@ def _run(job, out, extra=(), **kw):
 
 def test_sample_job_pd_then_noop_and_status(ray_local, sample_model, tmp_path):
     out = str(tmp_path / "out")
-    rep = _run("jobs/papers.yaml", out, ["input.limit=2"])
+    rep = _run("jobs/papers_pd.yaml", out, ["input.limit=2"])
     rows = _rows(out)
     assert len(rows) == 6 and rep["rows_written"] == 6 and rep["docs_ok"] == 2
     assert {r["task"] for r in rows} == {"summary", "keywords", "question"}
@@ -36,6 +36,7 @@ def test_sample_job_pd_then_noop_and_status(ray_local, sample_model, tmp_path):
     # the three tasks of a paper share its prefix: computed about once
     assert rep["prefill_tokens_computed"] <= (1 / 3 + 0.1) * rep["prompt_tokens"]
     assert set(rep["pools"]) == {"prefill", "decode"}
+    assert rep["layout"]["mode"] == "pd" and rep["layout"]["chosen_by"] == "job"  # the pools the job names
     assert os.path.exists(os.path.join(out, "_report.html"))
     # the report says when tokens were generated and where the time before the first one went
     gen, st = rep["generation"], rep["startup"]
@@ -43,11 +44,11 @@ def test_sample_job_pd_then_noop_and_status(ray_local, sample_model, tmp_path):
     assert sum(gen["decode_tokens"]) == pytest.approx(rep["output_tokens"], abs=0.1)
     assert 0 < st["first_token_s"] <= gen["last_done_s"] <= rep["wall_s"]
     assert {"ray_start", "workers_ready", "model_load", "data_first_batch", "generation"} <= set(st["phases_s"])
-    again = _run("jobs/papers.yaml", out, ["input.limit=2"])
+    again = _run("jobs/papers_pd.yaml", out, ["input.limit=2"])
     assert again.get("noop") and len(_rows(out)) == 6
     from dlbatch.output.status import job_status
 
-    st = job_status(load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, "input.limit=2"]))
+    st = job_status(load_job("jobs/papers_pd.yaml", [f"output.path={out}", *SHORT, "input.limit=2"]))
     assert (st["docs_done"], st["docs_failed"], st["docs_pending"], st["rows"]) == (2, 0, 0, 6)
 
 
@@ -59,8 +60,10 @@ def test_colocated_equals_pd_greedy_through_every_transport(ray_local, sample_mo
 
     key = lambda r: (r["doc_id"], r["task"])  # noqa: E731
     co = str(tmp_path / "co")
-    _run("jobs/papers.yaml", co, ["input.limit=1", "model.dtype=float32",
-                                  "cluster.colocated={chip: fast, replicas: 1, num_cpus: 0.5}"])
+    rep = _run("jobs/papers.yaml", co, ["input.limit=1", "model.dtype=float32"])
+    # no pools named, one chip type here: the solver's layout is one colocated pool, unmeasured
+    assert rep["layout"]["mode"] == "colocated" and rep["layout"]["chosen_by"] == "solver"
+    assert set(rep["pools"]) == {"colocated"} and "one chip type" in rep["layout"]["reason"]
     ref = {key(r): r["output"] for r in _rows(co)}
     assert len(ref) == 3
     for via in ("object_store", "shm", "rdt", "dlslime"):
@@ -69,7 +72,7 @@ def test_colocated_equals_pd_greedy_through_every_transport(ray_local, sample_mo
         except TransportUnavailable:
             continue  # e.g. dlslime not installed: tests/test_transfer_dlslime.py says why
         out = str(tmp_path / via)
-        rep = _run("jobs/papers.yaml", out, ["input.limit=1", "model.dtype=float32", f"cluster.kv_transport={via}"])
+        rep = _run("jobs/papers_pd.yaml", out, ["input.limit=1", "model.dtype=float32", f"cluster.kv_transport={via}"])
         assert set(rep["pools"]) == {"prefill", "decode"} and rep["kv_transport"] == via
         assert {key(r): r["output"] for r in _rows(out)} == ref, via
 

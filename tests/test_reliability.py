@@ -281,7 +281,7 @@ def test_worker_kill9_mid_batch_job_completes(ray_local, sample_model, tmp_path,
     out = str(tmp_path / "out")
     # float32: prefill calls long enough to be killed inside one on a CPU with AMX, where the
     # sample job's bfloat16 prefills the two documents in a fraction of a second
-    spec = load_job("jobs/papers.yaml", [f"output.path={out}", *SHORT, "input.limit=2", f"cluster.kv_transport={via}",
+    spec = load_job("jobs/papers_pd.yaml", [f"output.path={out}", *SHORT, "input.limit=2", f"cluster.kv_transport={via}",
                                          "model.dtype=float32"])
     runner = JobRunner(spec, progress=False)
     t, box = run_in_thread(runner)
@@ -567,7 +567,7 @@ def _wait_for_title(pids_fn, needle: bytes, timeout: float, proc):
 @pytest.mark.ray
 def test_two_node_cluster_worker_node_killed_mid_job(sample_model, tmp_path):
     cluster = LocalCluster(str(tmp_path))
-    job, extra = "jobs/papers.yaml", ["input.limit=2", *SEQ]
+    job, extra = "jobs/papers_pd.yaml", ["input.limit=2", *SEQ]
     t0 = time.time()
     try:
         head_tmp = cluster.start_head({"chip:fast": 2})

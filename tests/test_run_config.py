@@ -18,6 +18,7 @@ from dlbatch.workers.pools import JobFailed
 
 JOB = "jobs/papers_jsonl.yaml"
 VLLM = ["model.backend=vllm", "cluster.colocated.chip=fast"]
+PD_POOLS = ["cluster.prefill.chip=fast", "cluster.decode.chip=cheap"]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_an_explicit_context_past_the_models_is_refused_before_the_run(job, vllm
 def test_worker_specs_carry_each_backends_engine_args(job, vllm_installed, monkeypatch):
     from dlbatch.backends import vllm_backend
 
-    native = RunConfig.resolve(job("model.engine_args.max_num_seqs=8"))
+    native = RunConfig.resolve(job("model.engine_args.max_num_seqs=8", *PD_POOLS))
     assert set(native.pools) == {"prefill", "decode"} and native.pd
     w = native.pools["decode"].worker
     assert w.engine.max_num_seqs == 8 and w.engine_args == {} and w.model == native.job.model.ref

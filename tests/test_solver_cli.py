@@ -2,6 +2,7 @@
 the sample job's four PDFs and the datasheet catalog for plan/simulate)."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -179,3 +180,23 @@ def test_plan_without_available_uses_the_local_profiled_chips(tmp_path, capsys):
     rc = main(["plan", JOB, "--chips", CATALOG, local, "--no-report", "--set", "cluster.address=auto"])
     err = capsys.readouterr().err
     assert rc == 2 and "--available" in err and "cluster" in err
+
+
+SAMPLE_JOBS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "jobs", "*.yaml")))
+
+
+@pytest.mark.parametrize("job", SAMPLE_JOBS)
+def test_plan_on_this_machine_chooses_colocated_for_the_sample_jobs(job, tmp_path, capsys, monkeypatch):
+    """One chip type (this machine): colocated, which `dlbatch run` runs for every sample job
+    that names no pools; jobs/papers_pd.yaml names prefill/decode pools and runs those."""
+    monkeypatch.chdir(ROOT)
+    rc = main(["plan", job, "--sample", "2", "--no-report", "--set", f"output.path={tmp_path / 'out'}"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "layouts on cpu-local=1" in text and "solver's choice: colocated: colocated cpu-local x1" in text
+    from dlbatch.jobspec import load_job
+
+    if load_job(job).cluster.pools():
+        assert "`dlbatch run` runs: prefill fast x1, decode cheap x1; chosen by job" in text
+    else:
+        assert "`dlbatch run` runs: colocated cpu-local x1; chosen by solver: one chip type" in text

@@ -102,7 +102,7 @@ def bare_cluster(tmp_path_factory):
 @pytest.mark.timeout(1200)
 def test_submit_refuses_a_cluster_without_the_dependencies_then_install_deps_runs_it(bare_cluster, tmp_path):
     out = tmp_path / "out"
-    args = ["submit", "jobs/papers.yaml", "--address", bare_cluster.dashboard, "--set", f"output.path={out}",
+    args = ["submit", "jobs/papers_pd.yaml", "--address", bare_cluster.dashboard, "--set", f"output.path={out}",
             *TINY, "--wait", "--timeout", "900"]
     r = run_dlbatch(*args, timeout=300)
     assert r.returncode == 1, r.stderr[-3000:]

@@ -21,6 +21,7 @@ from dlbatch.transfer.choose import choose_transport, get_transport, one_node_re
 from dlbatch.transfer.errors import TransportUnavailable
 from tests.helpers.fake_workers import FakeWorker, Remote
 from tests.helpers.optional import dlslime_missing
+from tests.helpers.jobs import PD_POOLS
 
 FP = "llama:security"
 ENV = "DLBATCH_DLSLIME_ALLOW_NETWORK"  # set by the driver on its workers from cluster.dlslime_allow_network
@@ -150,7 +151,7 @@ def _pools(workers, overrides=()):
     from dlbatch.workers.pools import WorkerPools
     from dlbatch.jobspec import load_job
 
-    spec = load_job("jobs/papers_jsonl.yaml", ["cluster.kv_transport=dlslime", *overrides])
+    spec = load_job("jobs/papers_jsonl.yaml", ["cluster.kv_transport=dlslime", *PD_POOLS, *overrides])
     p = WorkerPools(RunConfig.resolve(spec))
     p.kv_via, p.workers = "dlslime", workers
     return p

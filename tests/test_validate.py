@@ -36,6 +36,28 @@ def hub_home(tmp_path_factory):
     return str(root / "hf")
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory) -> str:
+    """A tiny random Qwen2 whose config allows the GPU job's 16k context (positions are rotary:
+    no weight depends on their number)."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    path = str(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+    make_tiny_model("qwen2", path, overrides={"max_position_embeddings": 32768})
+    return path
+
+
+def offline(job: str, request, monkeypatch) -> list[str]:
+    """The --set overrides that let ``job`` validate here, every other key as shipped: the GPU
+    job's 7B Hub model, S3 paths and credentials become a tiny local Qwen2, the sample papers
+    and dummy AWS variables (its ``${env:...}`` references must resolve)."""
+    if job != "jobs/gpu_vllm.yaml":
+        return []
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "dummy-key-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "dummy-secret")
+    return ["--set", f"model.name={request.getfixturevalue('tiny_qwen2')}", "--set", "input.path=samples/papers"]
+
+
 @pytest.mark.parametrize("job", JOBS)
 def test_every_shipped_job_validates(job, tmp_path, capsys, request, monkeypatch):
     if job in HUB_MODELS:
@@ -47,11 +69,61 @@ def test_every_shipped_job_validates(job, tmp_path, capsys, request, monkeypatch
         monkeypatch.setenv("HF_HOME", request.getfixturevalue("hub_home"))
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    rc = main(["validate", job, "--docs", "2", "--set", f"output.path={tmp_path / 'out'}"])
+    rc = main(["validate", job, "--docs", "2", *offline(job, request, monkeypatch),
+               "--set", f"output.path={tmp_path / 'out'}"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "is valid" in out and "inputs: " in out and "prompt tokens" in out and "estimate: " in out
-    assert not os.listdir(tmp_path / "out" / "_tmp")  # the write probe is gone
+    if job not in HUB_MODELS:  # (a figure task over a paper without that figure is its dead letter)
+        assert "would be a dead letter" not in out  # a `chunk` document is map-reduced, as the run does
+    assert not (tmp_path / "out").exists()  # validate writes nothing: no probe, no folder
+
+
+def test_the_gpu_job_is_checked_as_shipped(request, monkeypatch, tmp_path, capsys):
+    """Its pools and backend as written: 4 vLLM replicas of 2 GPUs, tensor parallel 2."""
+    rc = main(["validate", "jobs/gpu_vllm.yaml", "--docs", "2", *offline("jobs/gpu_vllm.yaml", request, monkeypatch),
+               "--set", f"output.path={tmp_path / 'out'}"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "backend vllm, max_model_len 16,384" in out and "colocated a100 x4 (cuda)" in out
+    assert "-> chunk" in out  # the 80k-token paper is map-reduced
+
+
+@pytest.mark.parametrize("cmd", ["validate", "run"])
+@pytest.mark.parametrize("sets,words", [
+    (["cluster.colocated.num_gpus=1"],
+     "cluster.colocated.num_gpus 1 must equal model.engine_args tensor_parallel_size 2 x pipeline_parallel_size 1 = 2"),
+    (["model.engine_args.pipeline_parallel_size=2"],
+     "cluster.colocated.num_gpus 2 must equal model.engine_args tensor_parallel_size 2 x pipeline_parallel_size 2 = 4"),
+    (["model.backend=dlbatch", "model.engine_args={}"],
+     "cluster.colocated.num_gpus 2: a model.backend dlbatch engine drives 1 device per replica (num_gpus <= 1"),
+])
+def test_a_replica_asks_for_the_gpus_it_drives(cmd, sets, words, request, monkeypatch, tmp_path, capsys):
+    """vLLM: num_gpus = tensor_parallel_size x pipeline_parallel_size; ours: at most 1. Refused
+    by validate and by run, before anything starts (exit 2), naming both values."""
+    args = [cmd, "jobs/gpu_vllm.yaml", *offline("jobs/gpu_vllm.yaml", request, monkeypatch),
+            "--set", f"output.path={tmp_path / 'out'}", *sum((["--set", s] for s in sets), [])]
+    rc = main(args)
+    line = _one_line_error(capsys.readouterr().err)
+    assert rc == 2 and words in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_pools_a_run_resolves_are_checked_too(tiny_qwen2):
+    """A plan's or the solver's pools go through the same check when the run resolves them."""
+    from dlbatch.driver.config import RunConfig
+    from dlbatch.driver.layout import Layout
+    from dlbatch.jobspec import PoolSpec, load_job
+
+    spec = load_job("jobs/papers_jsonl.yaml", [f"model.name={tiny_qwen2}", "model.backend=vllm",
+                                               "model.engine_args.tensor_parallel_size=2"])
+    config = RunConfig.resolve(spec)  # the solver's pools on this machine's CPU: no GPU asked
+    assert [p.num_gpus for p in config.pools.values()] == [0.0]
+    good = PoolSpec(chip="a100", device="cuda", num_gpus=2)
+    assert config.with_layout(Layout(pools={"colocated": good}, source="plan", reason="a plan")).pools
+    bad = PoolSpec(chip="a100", device="cuda", num_gpus=1)
+    with pytest.raises(ValueError, match=r"num_gpus 1 must equal .*tensor_parallel_size 2 x pipeline_parallel_size "
+                                         r"1 = 2"):
+        config.with_layout(Layout(pools={"colocated": bad}, source="plan", reason="a plan"))
 
 
 def test_validate_shows_each_image_tasks_images_and_their_tokens(tmp_path, capsys, request, monkeypatch):

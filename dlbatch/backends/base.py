@@ -55,6 +55,9 @@ package branches on a backend's name (`dlbatch.backends.REGISTRY` maps names to 
   arguments, the model's architecture, an explicit max_model_len against the context);
 - ``limits(model, hf_config)``: the context length it runs the model with and the worker
   roles it fills (`ModelLimits`), one rule for job load, the prompt stage and the workers;
+- ``devices_per_replica(model)``: the devices one worker drives (a GPU pool's ``num_gpus``);
+- ``check_pool(model, role, pool)``: a pool's ``num_gpus`` against those devices, at job load
+  for the pools a job names and at run resolve for every pool (a plan's, the solver's);
 - ``worker_spec(model, pool, ...)``: what each worker of a pool builds (`WorkerSpec`).
 
 A backend that fills the prefill and decode roles implements `DisaggregatedBackend`, the
@@ -154,6 +157,24 @@ class EngineBackend(ABC):
         if context is not None and context < DEFAULT_MAX_MODEL_LEN:
             return ModelLimits(context, f"the model's context ({model.name!r} config.json)", cls.roles)
         return ModelLimits(DEFAULT_MAX_MODEL_LEN, "the engines' default max_model_len", cls.roles)
+
+    @classmethod
+    def devices_per_replica(cls, model) -> int:
+        """Accelerator devices one worker (replica) drives for the job's ``model`` section:
+        the ``num_gpus`` of a worker on a GPU pool. One engine per device: 1."""
+        return 1
+
+    @classmethod
+    def check_pool(cls, model, role: str, pool) -> None:
+        """A pool of ``role`` (a job `PoolSpec` section) against the job's ``model``: each of
+        its workers asks Ray for the devices it drives. One engine per device: ``num_gpus`` at
+        most 1 (a fraction puts several engines on one GPU); more GPUs are more replicas.
+        Raises ValueError naming both values."""
+        need = cls.devices_per_replica(model)
+        if pool.num_gpus > need:
+            raise ValueError(f"cluster.{role}.num_gpus {pool.num_gpus:g}: a model.backend {cls.name} engine drives "
+                             f"{need} device per replica (num_gpus <= {need}; a fraction shares one GPU); "
+                             f"for more GPUs raise cluster.{role}.replicas")
 
     @classmethod
     def worker_spec(cls, model, pool, *, max_model_len: int, max_batch_tokens: int, num_threads: int) -> WorkerSpec:

@@ -148,6 +148,27 @@ class VllmBackend(EngineBackend):
         return unavailable_reason()
 
     @classmethod
+    def devices_per_replica(cls, model) -> int:
+        """A replica's tensor-parallel shards times its pipeline stages (``model.engine_args``)."""
+        args = dict(model.engine_args)
+        return int(args.get("tensor_parallel_size") or 1) * int(args.get("pipeline_parallel_size") or 1)
+
+    @classmethod
+    def check_pool(cls, model, role: str, pool) -> None:
+        """A replica on GPUs runs its tensor-parallel shards and pipeline stages on the GPUs Ray
+        gives its worker: ``num_gpus`` must equal ``tensor_parallel_size x
+        pipeline_parallel_size`` (`devices_per_replica`); a CPU pool asks for none."""
+        if pool.device == "cpu" and not pool.num_gpus:
+            return
+        need = cls.devices_per_replica(model)
+        if pool.num_gpus != need:
+            args = dict(model.engine_args)
+            tp, pp = args.get("tensor_parallel_size") or 1, args.get("pipeline_parallel_size") or 1
+            raise ValueError(f"cluster.{role}.num_gpus {pool.num_gpus:g} must equal model.engine_args "
+                             f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} = {need}: a vLLM replica "
+                             f"runs on the GPUs Ray gives its worker (docs/gpu.md)")
+
+    @classmethod
     def check_model(cls, model, hf_config: dict) -> None:
         """engine_args are vLLM's `EngineArgs` (vLLM imported only when there are any); an
         explicit max_model_len within the model's context. The architecture is vLLM's to

@@ -243,6 +243,13 @@ def packed_modules(model) -> int:
     return sum(1 for m in model.modules() if "gguf" in type(m).__name__.lower())
 
 
+def job_chips(spec) -> dict[str, int]:
+    """chip -> workers of the pools a run of ``spec`` starts (its resolved layout)."""
+    from dlbatch.driver.config import RunConfig
+
+    return {p.chip: p.replicas for p in RunConfig.resolve(spec).pools.values()}
+
+
 def start_bench_ray(chips: dict[str, int], attempts: int = 2) -> bool:
     """One local Ray for the whole benchmark (both sides run on it, so neither pays Ray's
     start-up in its wall time). Retries once: on a heavily loaded machine Ray's node

@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 
-from dlbatch.bench.common import finish_bench, machine_info, ratio, start_bench_ray, table
+from dlbatch.bench.common import finish_bench, job_chips, machine_info, ratio, start_bench_ray, table
 
 POLICIES = ("truncate", "chunk")
 
@@ -66,7 +66,9 @@ def run_long(args) -> int:
         print(f"dlbatch bench pipeline --long: {len(papers)} papers longer than {max_model_len} tokens, "
               f"{', '.join(POLICIES)}")
         result["limits"] = limits.measure(["float32"], "cpu", quick=quick)
-        started = start_bench_ray({"fast": 1, "cheap": 1})
+        from dlbatch.jobspec import load_job
+
+        started = start_bench_ray(job_chips(load_job(args.job, base)))
         for policy in POLICIES:
             out = os.path.join(tmp, policy)
             report, _ = run_job(args.job, base + [f"output.path={out}", f"long_inputs={policy}"])

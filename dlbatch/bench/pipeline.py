@@ -24,8 +24,8 @@ import shutil
 import tempfile
 import time
 
-from dlbatch.bench.common import (finish_bench, job_overrides_for_docs, machine_info, ratio, run_job, sample_documents,
-                                  sized_overrides, start_bench_ray, table, targets_table, write_jsonl)
+from dlbatch.bench.common import (finish_bench, job_chips, job_overrides_for_docs, machine_info, ratio, run_job,
+                                  sample_documents, sized_overrides, start_bench_ray, table, targets_table, write_jsonl)
 
 log = logging.getLogger("dlbatch.bench")
 
@@ -260,8 +260,7 @@ def run(args) -> int:
         lim = limits.measure(sorted({spec.model.dtype, ours_dtype}), "cpu", quick=args.quick)
         result["limits"] = lim
 
-        chips = {p.chip: p.replicas for p in spec.cluster.pools().values()}
-        started = start_bench_ray(chips)
+        started = start_bench_ray(job_chips(spec))
         report, ours_out = run_job(args.job, overrides)
         ours = {"wall_s": report["wall_s"], "docs": report["docs_this_run"], "rows": report["rows_written"],
                 "prompt_tokens": report["prompt_tokens"], "output_tokens": report["output_tokens"],

@@ -20,8 +20,8 @@ import os
 import shutil
 import tempfile
 
-from dlbatch.bench.common import (finish_bench, job_overrides_for_docs, machine_info, median, ratio, run_job, sample_documents,
-                                  start_bench_ray, table, write_jsonl)
+from dlbatch.bench.common import (finish_bench, job_chips, job_overrides_for_docs, machine_info, median, ratio, run_job,
+                                  sample_documents, start_bench_ray, table, write_jsonl)
 
 POLICIES = ("prefix_aware", "round_robin")
 
@@ -90,7 +90,7 @@ def run(args) -> int:
         cd = compute_dtype(spec.model.dtype, "cpu")
         result["limits"] = limits.measure(sorted({spec.model.dtype, cd}), "cpu", quick=args.quick)
 
-        started = start_bench_ray({p.chip: p.replicas for p in spec.cluster.pools().values()})
+        started = start_bench_ray(job_chips(spec))
         runs: dict[str, list] = {p: [] for p in POLICIES}
         outputs: dict[str, dict] = {}
         for rep in range(max(1, args.repeats)):

@@ -79,15 +79,9 @@ def cmd_run(args) -> int:
 
         with fsspec.open(plan_path, "r") as f:
             plan = json.load(f)
-    from pipelines import get_pipeline
-
-    try:
-        get_pipeline(spec.pipeline)
-    except ValueError as e:
-        print(f"invalid job file: pipeline: {e}", file=sys.stderr)
-        return EXIT_INVALID
-    from dlbatch.api import run
+    from dlbatch.api import run  # the pipeline and the rest of what validate checks: checks.check_job
     from dlbatch.driver.runner import JobFailed
+    from dlbatch.driver.checks import JobInvalid
     from dlbatch.output.lease import LeaseHeld, LeaseLost
 
     options = dict(flush_docs=args.commit_docs, flush_seconds=args.commit_seconds,
@@ -101,6 +95,9 @@ def cmd_run(args) -> int:
         print(f"interrupted: {_committed(spec)}; rerun the same command to resume (nothing committed is redone)",
               file=sys.stderr)
         return EXIT_INTERRUPTED
+    except JobInvalid as e:  # what `dlbatch validate` refuses, refused before anything started
+        print(f"invalid job: {e}", file=sys.stderr)
+        return EXIT_INVALID
     except LeaseHeld as e:
         print(f"job not started: {e}", file=sys.stderr)
         return EXIT_BUSY

@@ -13,17 +13,14 @@ the plan's chips itself.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import sys
 
+from dlbatch.driver.chips import chips_dir as _chips_dir
+from dlbatch.driver.chips import default_chip_files, local_available
+
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
-
-
-def _chips_dir() -> str:
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "configs", "chips")
 
 
 def register(sub) -> None:
@@ -107,52 +104,6 @@ def parse_available(items: list[str]) -> dict[str, int]:
     return out
 
 
-def default_chip_files(model_name: str) -> list[str]:
-    """The catalog plus every measured profile in configs/chips/ made for ``model_name``."""
-    import yaml
-
-    d = _chips_dir()
-    files = []
-    cat = os.path.join(d, "catalog.yaml")
-    if os.path.isfile(cat):
-        files.append(cat)
-    for f in sorted(glob.glob(os.path.join(d, "*.yaml"))):
-        if f == cat:
-            continue
-        try:
-            data = yaml.safe_load(open(f))
-        except Exception:
-            continue
-        if isinstance(data, dict) and data.get("source") == "measured" and data.get("model") in (model_name, "", None):
-            files.append(f)
-    return files
-
-
-def local_available(chip_files: list[str]) -> dict[str, int]:
-    """This machine's chips that have a measured profile among `chip_files`: a profile
-    measured on the CPU counts as one chip (it was measured with every core), one measured
-    on CUDA as the number of CUDA devices here."""
-    import yaml
-
-    out: dict[str, int] = {}
-    for f in chip_files:
-        try:
-            data = yaml.safe_load(open(f))
-        except Exception:
-            continue
-        if not isinstance(data, dict) or data.get("source") != "measured" or not data.get("name"):
-            continue
-        device = str((data.get("measured") or {}).get("device", ""))
-        if device == "cpu":
-            out[data["name"]] = 1
-        elif device.startswith("cuda"):
-            import torch
-
-            if torch.cuda.is_available() and torch.cuda.device_count():
-                out[data["name"]] = torch.cuda.device_count()
-    return out
-
-
 def _load_spec(args):
     from dlbatch.jobspec import load_job
 
@@ -163,7 +114,7 @@ def _load_spec(args):
 
 
 def _job_context(args):
-    """(spec, JobSample, chip files, max_batch, chunk_tokens) for plan / simulate."""
+    """(spec, RunConfig, JobSample, chip files, max_batch, chunk_tokens) for plan / simulate."""
     from dlbatch.driver.config import RunConfig
     from dlbatch.driver.workload import job_workload
 
@@ -183,13 +134,13 @@ def _job_context(args):
     chunk = args.chunk_tokens or max(512, min(spec.batching.max_batch_tokens, 4096))
     if chunk < 1:
         raise ValueError(f"--chunk-tokens must be >= 1, got {chunk}")
-    return spec, sample, chips, args.max_batch, chunk
+    return spec, config, sample, chips, args.max_batch, chunk
 
 
 def cmd_plan(args) -> int:
     from dlbatch.solver.commands import load_chips, plan_command
 
-    spec, sample, chip_files, max_batch, chunk = _job_context(args)
+    spec, config, sample, chip_files, max_batch, chunk = _job_context(args)
     available = parse_available(args.available)
     chips = load_chips(chip_files, sample.model)
     if not available and spec.cluster.address is None:
@@ -223,6 +174,8 @@ def cmd_plan(args) -> int:
         with open(args.json, "w") as fh:
             fh.write(plan.to_json())
         print(f"plan written to {args.json} (use: dlbatch run {args.job} --plan {args.json})")
+    print()
+    print_layouts(spec, config, {k: chips[k] for k in available}, available, sample, max_batch, chunk)
     if args.compare:
         from dlbatch.solver.compare import compare_heterogeneous
         from dlbatch.solver.report import format_comparison
@@ -234,10 +187,71 @@ def cmd_plan(args) -> int:
     return EXIT_OK
 
 
+def print_layouts(spec, config, chips: dict, available: dict, sample, max_batch: int, chunk: int) -> None:
+    """The layouts the solver weighs for the job on ``available`` (`choose_layout`), each with
+    its predicted (MILP, simulated) throughput and, when the job's output holds a completed
+    run's report, that run's measured throughput beside its layout; then what `dlbatch run`
+    runs."""
+    from dlbatch.solver.layout import choose_layout
+
+    choice = choose_layout(chips, available, sample.model, sample.workload, objective=spec.cluster.objective,
+                           ttft_target_s=spec.cluster.ttft_target_s, roles=config.roles, max_batch=max_batch,
+                           chunk_tokens=chunk)
+    last = last_run_layout(spec)
+    print(f"layouts on {' '.join(f'{k}={n}' for k, n in available.items())} (objective {spec.cluster.objective}"
+          + (f", TTFT target {spec.cluster.ttft_target_s:g} s" if spec.cluster.ttft_target_s else "") + "):")
+    print(f"  {'layout':<44} {'docs/s':>9} {'tokens/s':>10} {'sim docs/s':>10} {'$/h':>8} {'TTFT s':>7}  measured")
+    shown = False
+    for c in choice.candidates:
+        d = c.to_dict()
+        if c.plan is None:
+            print(f"  {c.mode:<44} infeasible: {c.error}")
+            continue
+        pools = _pools_text(d["pools"])
+        seen = last is not None and _pools_text(last.get("pools") or []) == pools
+        shown = shown or seen
+        measured = _measured_text(last) if seen else ""
+        ttft = f"{d['ttft_s']:7.3g}" if d["ttft_s"] is not None else f"{'-':>7}"
+        print(f"  {c.mode + ': ' + pools:<44} {d['docs_per_s']:9.4g} {d['tokens_per_s']:10.4g} "
+              f"{d['simulated_docs_per_s']:10.4g} {d['usd_per_hour']:8.3g} {ttft}  {measured}")
+    if last is not None and not shown:
+        print(f"  last run: {last.get('mode')}: {_pools_text(last.get('pools') or [])} ({last.get('chosen_by')}): "
+              f"{_measured_text(last)}")
+    print(f"solver's choice: {choice.mode}: {_pools_text([dict(role=r, chip=c, replicas=n) for r, c, n in choice.pools])}"
+          f" ({choice.reason})")
+    from dlbatch.cli.validate import layout_line
+
+    print(f"`dlbatch run` runs: {layout_line(config.layout)}")
+
+
+def _pools_text(pools: list[dict]) -> str:
+    return ", ".join(f"{p.get('role')} {p.get('chip')} x{p.get('replicas')}" for p in pools)
+
+
+def _measured_text(layout: dict) -> str:
+    m = layout.get("measured") or {}
+    return f"{m.get('docs_per_s', 0):.4g} docs/s, {m.get('tokens_per_s', 0):.4g} tokens/s measured (last run)"
+
+
+def last_run_layout(spec) -> dict | None:
+    """The ``layout`` section of the report of the job's last completed run, or None."""
+    try:
+        from dlbatch.output.files import OutputFiles
+
+        files = OutputFiles(spec.output.path, dict(spec.output.storage_options))
+        manifest, report = files.read_json("_manifest.json"), files.read_json("_report.json")
+    except Exception:  # no output yet, or unreadable: nothing measured to show
+        return None
+    if not (isinstance(manifest, dict) and manifest.get("complete") and isinstance(report, dict)):
+        return None
+    layout = report.get("layout")
+    return layout if isinstance(layout, dict) else None
+
+
 def cmd_simulate(args) -> int:
     from dlbatch.solver.commands import simulate_command
 
-    spec, sample, chip_files, _, _ = _job_context(args)
+    spec, _, sample, chip_files, _, _ = _job_context(args)
     print(sample.describe())
     res = simulate_command(args.plan, chip_files, sample.model, sample.workload, n_docs=args.docs)
     if args.json:

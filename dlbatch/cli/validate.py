@@ -1,16 +1,18 @@
 """`dlbatch validate JOB`: everything that can be checked before a run, without a model.
 
 In order, each step printing what it found: the job file loads (schema, templates, the
-cross-field checks of `load_job`); the pipeline exists; the run's configuration resolves
-(`RunConfig`: the backend is installed and runs the model, the context length every later
-step uses, as a run would resolve it); the inputs are listed (files,
-bytes); the output path is writable (a probe file written and removed under its `_tmp/`);
-the first documents are parsed (in the isolated parser, under the job's caps) and their
-prompts built, each task's first prompt shown with its token count; the longest sampled
-documents and what the long-input policy does to them; the plan's time and cost estimate
-for this machine's profiled chips (or why there is none). Any failed check is one line
-``error: ...`` naming the bad value, and exit code 2; nothing is started (no Ray, no
-engine: only the model's config.json and tokenizer are read).
+cross-field checks of `load_job`); then the checks `dlbatch run` makes before it starts
+anything, the same function (`dlbatch.driver.checks.check_job`): the pipeline, the run's
+configuration (`RunConfig`: the backend is installed and runs the model, the context length,
+the layout), the inputs listed (files, bytes), the fields and columns the job reads, the
+output (writable, its format, a resume it would refuse, with the changed keys); then the
+first documents are parsed (in the isolated parser, under the job's caps) and their prompts
+built, each task's first prompt shown with its token count; the longest sampled documents
+and what the long-input policy does to them; the plan's time and cost estimate for this
+machine's profiled chips (or why there is none). Any failed check is one line ``error: ...``
+naming the bad value, and exit code 2, as `dlbatch run` exits for it; nothing is written and
+nothing is started (no Ray, no engine: the model's config.json and tokenizer, the inputs'
+first documents and the output's records are read).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def register(sub) -> None:
 
 
 def cmd_validate(args) -> int:
+    from dlbatch.driver.checks import JobInvalid, check_job
     from dlbatch.jobspec import JobSpecError, load_job
 
     try:
@@ -40,136 +43,66 @@ def cmd_validate(args) -> int:
         print(f"error: invalid job file: {e}", file=sys.stderr)
         return EXIT_INVALID
     print(f"job {spec.name!r}: loads ({len(spec.tasks)} tasks, model {spec.model.name}, backend {spec.model.backend})")
-    v = Validation(spec, max(1, args.docs), args.show_chars)
     try:
-        for check in (v.pipeline, v.config, v.inputs, v.output, v.prompts, v.estimate):
-            check()
-    except Invalid as e:
+        checked = check_job(spec)  # what `dlbatch run` checks before it starts anything
+        describe(spec, checked)
+        _prompts(spec, checked.files, max(1, args.docs), args.show_chars, checked.config.max_model_len)
+    except (JobInvalid, Invalid) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
+    _estimate(spec, max(1, args.docs), checked.config.max_model_len)
     print(f"job {spec.name!r} is valid")
     return EXIT_OK
 
 
 class Invalid(Exception):
-    """A check that failed: its message names the bad value."""
+    """A check of validate's own that failed (the prompts): its message names the bad value."""
 
 
-class Validation:
-    """The checks of one job, in order; `config` resolves the context length and `inputs`
-    lists the files that the later checks use."""
-
-    def __init__(self, spec, docs: int = 3, show_chars: int = 160):
-        self.spec, self.docs, self.show_chars = spec, docs, show_chars
-        self.files: list[str] = []
-        self.max_model_len = 0
-
-    def pipeline(self) -> None:
-        _pipeline(self.spec)
-
-    def config(self) -> None:
-        self.max_model_len = _config(self.spec)
-
-    def inputs(self) -> None:
-        self.files = _inputs(self.spec)
-
-    def output(self) -> None:
-        _output(self.spec)
-
-    def prompts(self) -> None:
-        _prompts(self.spec, self.files, self.docs, self.show_chars, self.max_model_len)
-
-    def estimate(self) -> None:
-        _estimate(self.spec, self.docs, self.max_model_len)
+def describe(spec, checked) -> None:
+    """What `check_job` found: the model and layout, the inputs, their columns, the output."""
+    config = checked.config
+    print(f"model: backend {config.backend.name}, max_model_len {config.max_model_len:,} ({config.context_source})")
+    print(f"layout: {layout_line(config.layout)}")
+    _inputs_line(spec, checked.files)
+    if checked.columns:
+        print(f"columns (first rows of {checked.files[0]}): {', '.join(sorted(checked.columns))}")
+    m = checked.manifest
+    if m is None:
+        state = "empty"
+    elif checked.restart_reason:
+        state = f"a run starts it over: {checked.restart_reason}"
+    else:
+        state = f"holds job {m.get('name')!r} ({'complete' if m.get('complete') else 'incomplete'}): a run resumes it"
+    print(f"output: {spec.output.path} is writable; {state}")
 
 
-def _pipeline(spec) -> None:
-    from pipelines import get_pipeline
-
-    try:
-        get_pipeline(spec.pipeline)
-    except ValueError as e:
-        raise Invalid(f"pipeline: {e}") from None
-
-
-def _config(spec) -> int:
-    """The run's configuration as `dlbatch run` resolves it; -> its max_model_len."""
-    from dlbatch.driver.config import RunConfig
-    from dlbatch.workers.pools import JobFailed
-
-    try:
-        config = RunConfig.resolve(spec)
-    except (ValueError, JobFailed) as e:
-        raise Invalid(str(e)) from None
-    print(f"model: backend {config.backend.name}, max_model_len {config.max_model_len:,} ({config.context_source}); "
-          f"pools {', '.join(f'{r} x{p.replicas}' for r, p in config.pools.items())}")
-    return config.max_model_len
+def layout_line(layout) -> str:
+    """The pools a run starts and who chose them (`dlbatch.driver.layout.Layout`; None: an
+    attached cluster's, chosen when the run sees its chips)."""
+    if layout is None:
+        return ("chosen by the solver when the run attaches to the cluster, from its nodes' chip:<name> resources "
+                "(docs/cluster.md)")
+    pools = ", ".join(f"{r} {p.chip} x{p.replicas}" + (f" ({p.device})" if p.device != "cpu" else "")
+                      for r, p in layout.pools.items())
+    return f"{pools}; chosen by {layout.source}: {layout.reason}"
 
 
-def _inputs(spec) -> list[str]:
-    from connectors import input_format, list_inputs
-    from connectors.listing import _url_to_fs
+def _inputs_line(spec, files: list[str]) -> None:
+    from connectors.hf_hub import is_hub_url
+    from connectors.listing import _url_to_fs, count_rows
 
     inp = spec.input
-    try:
-        files = list_inputs(inp.path, inp.format, dict(inp.storage_options), max_line_bytes=inp.max_line_bytes)
-    except (OSError, ValueError) as e:
-        raise Invalid(f"input.path {inp.path!r}: {e}") from None
-    if not files:
-        raise Invalid(f"input.path {inp.path!r}: no {inp.format} files there")
-    total = 0
-    from connectors.hf_hub import is_hub_url
-
-    hub = is_hub_url(files[0])  # a Hub dataset: one input, listing checked its config and split
-    for f in ([] if hub else files[:10_000]):
-        fs, p = _url_to_fs(f, dict(inp.storage_options))
-        try:
-            total += int(fs.info(p).get("size") or 0)
-        except OSError as e:
-            raise Invalid(f"input {f!r}: {e}") from None
-    more = " (bytes of the first 10,000)" if len(files) > 10_000 else ""
-    if hub:
-        from connectors.listing import count_rows
-
+    if is_hub_url(files[0]):  # a Hub dataset: one input, listing checked its config and split
         what = f"Hub dataset {inp.path}, {count_rows(files[0], inp.format, 1 << 62, dict(inp.storage_options)):,} rows"
     else:
+        total = 0
+        for f in files[:10_000]:
+            fs, p = _url_to_fs(f, dict(inp.storage_options))
+            total += int(fs.info(p).get("size") or 0)
+        more = " (bytes of the first 10,000)" if len(files) > 10_000 else ""
         what = f"{len(files):,} {inp.format} files, {total / 1e6:,.1f} MB{more} under {inp.path}"
     print(f"inputs: {what}" + (f"; input.limit {inp.limit}" if inp.limit is not None else ""))
-    if input_format(inp.format).has_columns:
-        from dlbatch.prompts.columns import missing_columns, peek_columns
-
-        cols = peek_columns(files[0], inp.format, inp.text_field, dict(inp.storage_options))
-        print(f"columns (first rows of {files[0]}): {', '.join(sorted(cols)) or 'none'}")
-        problems = missing_columns(spec, cols)
-        if problems:
-            raise Invalid(f"{files[0]}: " + "; ".join(problems))
-    return files
-
-
-def _output(spec) -> None:
-    import uuid
-
-    from dlbatch.output import FormatMismatch, open_store, run_store
-
-    out = spec.output.path
-    try:
-        store = open_store(spec.output)
-        files = store.files
-        probe = files.path(f"_tmp/validate-{uuid.uuid4().hex[:8]}")
-        files.fs.makedirs(files.path("_tmp"), exist_ok=True)
-        files.fs.pipe_file(probe, b"dlbatch validate")
-        files.fs.rm_file(probe)
-    except (OSError, ValueError, ImportError) as e:
-        raise Invalid(f"output.path {out!r} is not writable: {type(e).__name__}: {e}") from None
-    try:
-        run_store(store, spec.output)  # what a run writes: the format that wrote the output
-    except FormatMismatch as e:
-        raise Invalid(str(e)) from None
-    manifest = files.read_json("_manifest.json")
-    state = ("empty" if manifest is None else
-             f"holds job {manifest.get('name')!r} ({'complete' if manifest.get('complete') else 'incomplete'}): "
-             f"a run resumes it")
-    print(f"output: {out} is writable; {state}")
 
 
 def _prompts(spec, files: list[str], n_docs: int, show_chars: int, max_model_len: int) -> None:
@@ -180,7 +113,7 @@ def _prompts(spec, files: list[str], n_docs: int, show_chars: int, max_model_len
     from dlbatch.records import base_task, prompt_length
 
     inp = spec.input
-    stage = PromptStage(spec, max_model_len=max_model_len)
+    stage = PromptStage(spec, map_reduce=True, max_model_len=max_model_len)  # as the run's: `chunk` plans map rows
     docs: list[tuple[dict, list[dict]]] = []
     for url in files:
         if len(docs) >= n_docs:
@@ -243,7 +176,7 @@ def _images(spec, docs: list[tuple[dict, list[dict]]]) -> None:
 
 def _estimate(spec, n_docs: int, max_model_len: int) -> None:
     try:
-        from dlbatch.cli.solver import default_chip_files, local_available
+        from dlbatch.driver.chips import default_chip_files, local_available
         from dlbatch.driver.workload import job_workload
         from dlbatch.solver.commands import load_chips, plan_command
 

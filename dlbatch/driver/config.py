@@ -4,9 +4,10 @@
 backend class the job names (`dlbatch.backends.REGISTRY`) and its checks of the model
 section against the model's ``config.json`` (installed, engine_args, architecture, an
 explicit context), the context length (``max_model_len``: the backend's one rule,
-`EngineBackend.limits`), every task's token budget against it, the worker pools by role
-(the job's cluster section, or the plan's pools on its chips) with what each worker builds
-(`WorkerSpec`, from the backend's `worker_spec`). The result is frozen and passed down: the
+`EngineBackend.limits`), every task's token budget against it, the layout
+(`dlbatch.driver.layout`: the job's named pools, a plan's, or the solver's on the chips at
+hand) and the worker pools by role with what each worker builds (`WorkerSpec`, from the
+backend's `worker_spec`). The result is frozen and passed down: the
 runner gives the same ``max_model_len`` to the prompt stage and the same worker specs to
 the pools, `dlbatch validate` and `dlbatch plan` read the same value, so the prompts are cut
 to the context the engines are built with.
@@ -19,11 +20,12 @@ a backend cannot fill).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from dlbatch.backends import BackendUnavailable, EngineBackend, WorkerSpec, backend_class
 from dlbatch.backends.base import PD_ROLES
+from dlbatch.driver.layout import Layout, resolve_layout
 from dlbatch.workers.pools import JobFailed
 
 
@@ -44,12 +46,16 @@ class PoolConfig:
 @dataclass(frozen=True)
 class RunConfig:
     """What a run is, decided once: the job, its backend class, the context length every
-    stage uses and where it comes from, the pools by role."""
+    stage uses and where it comes from, the layout (`dlbatch.driver.layout.Layout`: the
+    pools and who chose them) and the pools by role. ``layout`` None: an attached cluster's
+    auto layout, decided once the driver sees the cluster's chips (`with_chips`)."""
 
     job: Any  # the validated JobSpec
     backend: type[EngineBackend]
     max_model_len: int
     context_source: str  # where max_model_len comes from, for messages ("model.max_model_len", ...)
+    roles: tuple[str, ...] = ("colocated",)  # the worker roles the backend fills for this model
+    layout: Layout | None = None
     pools: Mapping[str, PoolConfig] = field(default_factory=dict)
 
     @property
@@ -58,9 +64,10 @@ class RunConfig:
         return "prefill" in self.pools
 
     @classmethod
-    def resolve(cls, spec, plan: dict | None = None) -> "RunConfig":
-        """The run's configuration for job ``spec`` (a validated JobSpec) and ``plan`` (the
-        solver's pools, or None: the job's cluster section)."""
+    def resolve(cls, spec, plan: dict | None = None, chips: dict | None = None) -> "RunConfig":
+        """The run's configuration for job ``spec`` (a validated JobSpec), ``plan`` (the
+        solver's pools, or None) and ``chips`` (the attached cluster's chip slots by name, or
+        None: see `dlbatch.driver.layout.resolve_layout`)."""
         from dlbatch.engine.loader import load_hf_config
         from dlbatch.jobspec import JobSpecError, token_budget_problems
 
@@ -74,43 +81,37 @@ class RunConfig:
         problems = token_budget_problems(spec, limits)
         if problems:
             raise JobSpecError(spec.source, problems)
-        sections = pools_of(spec, plan)
-        missing = [r for r in ("colocated", *PD_ROLES) if r in sections and r not in limits.roles]
+        config = cls(job=spec, backend=backend, max_model_len=limits.max_model_len, context_source=limits.source,
+                     roles=tuple(limits.roles))
+        return config.with_layout(resolve_layout(spec, backend, config.roles, plan, chips,
+                                                 max_model_len=limits.max_model_len))
+
+    def with_chips(self, chips: dict) -> "RunConfig":
+        """This configuration with the solver's layout on the attached cluster's ``chips``."""
+        return self.with_layout(resolve_layout(self.job, self.backend, self.roles, None, chips,
+                                               max_model_len=self.max_model_len))
+
+    def with_layout(self, layout: Layout | None) -> "RunConfig":
+        """This configuration with ``layout``'s pools and what each of their workers builds."""
+        if layout is None:
+            return replace(self, layout=None, pools={})
+        sections, spec = layout.pools, self.job
+        missing = [r for r in ("colocated", *PD_ROLES) if r in sections and r not in self.roles]
         if missing:
-            where = f"plan {plan.get('pools')}" if plan is not None else "the job's cluster section"
-            raise JobFailed(f"{where} has {'/'.join(missing)} pools, which model.backend {backend.name} cannot run "
-                            f"({'/'.join(limits.roles)} only; docs/backends.md)")
+            where = {"plan": f"plan {[p.chip for p in sections.values()]}", "job": "the job's cluster section",
+                     "solver": "the solver's layout"}[layout.source]
+            raise JobFailed(f"{where} has {'/'.join(missing)} pools, which "
+                            f"model.backend {self.backend.name} cannot run ({'/'.join(self.roles)} only; "
+                            "docs/backends.md)")
         pools = {}
         for role, p in sections.items():
-            worker = backend.worker_spec(spec.model, p, max_model_len=limits.max_model_len,
-                                         max_batch_tokens=spec.batching.max_batch_tokens,
-                                         num_threads=worker_threads(p, len(sections)))
+            self.backend.check_pool(spec.model, role, p)  # a plan's or the solver's pools too
+            worker = self.backend.worker_spec(spec.model, p, max_model_len=self.max_model_len,
+                                              max_batch_tokens=spec.batching.max_batch_tokens,
+                                              num_threads=worker_threads(p, len(sections)))
             pools[role] = PoolConfig(role=role, chip=p.chip, replicas=p.replicas, device=p.device,
                                      num_cpus=p.num_cpus, num_gpus=p.num_gpus, worker=worker)
-        return cls(job=spec, backend=backend, max_model_len=limits.max_model_len, context_source=limits.source,
-                   pools=pools)
-
-
-def pools_of(spec, plan: dict | None) -> dict:
-    """role -> the job's pool section (`PoolSpec`): the job's cluster section, or the plan's
-    pools on its chips (each keeping the device and resources of the job's pool of its role,
-    the prefill pool's when the job has none of that role)."""
-    c = spec.cluster
-    pools = c.pools()
-    if plan is None:
-        return pools
-    from dlbatch.jobspec import PoolSpec
-
-    out = {}
-    for p in plan.get("pools", []):
-        base = pools.get(p["role"]) or c.prefill
-        out[p["role"]] = PoolSpec(chip=p.get("chip_resource") or base.chip, replicas=int(p["replicas"]),
-                                  device=base.device, num_cpus=base.num_cpus, num_gpus=base.num_gpus,
-                                  kv_cache_memory=base.kv_cache_memory)
-    if "colocated" in out and ("prefill" in out or "decode" in out):
-        raise JobFailed("plans that mix colocated and PD pools are run as PD only on this version: "
-                        f"{plan.get('pools')}")
-    return out
+        return replace(self, layout=layout, pools=pools)
 
 
 def worker_threads(pool, n_pools: int) -> int:

@@ -5,8 +5,9 @@ document is committed or dead-lettered.
 request runs where, what a failure means: `dlbatch.driver.dispatch`), the actor calls
 (`WorkerCalls`), the input feed, the commit buffer and the tally. Decisions live in those
 plain objects; the loop only moves rows between them and keeps every wait bounded
-(`_watchdog`). Invariants: a document is committed whole, in one part, or not at all; on any
-failure every document already complete is committed before the error propagates.
+(`_watchdog`), and stops a run whose documents mostly fail (`DeadLetterShare`). Invariants:
+a document is committed whole, in one part, or not at all; on any failure every document
+already complete is committed before the error propagates.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class DispatchLoop:
                  flush_docs: int = 16, flush_seconds: float = 5.0, stall_timeout_s: float = 1800.0,
                  input_timeout_s: float = 600.0, postprocess=None, postprocess_fields=()):
         from dlbatch.driver.commit_buffer import CommitBuffer
+        from dlbatch.driver.dead_letter_share import DeadLetterShare
         from dlbatch.driver.feed import InputFeed
         from dlbatch.workers.calls import WorkerCalls
         from dlbatch.prompts.map_reduce import MapReduce
@@ -42,6 +44,7 @@ class DispatchLoop:
         self.calls = WorkerCalls(pools, self.d, self._items_for)
         self.feed = InputFeed(batches, prepare=MapReduce.request_row, order=self._order())
         self.buf = CommitBuffer(flush_docs, flush_seconds)
+        self.share = DeadLetterShare(spec.max_dead_letter_fraction)  # stops a run whose documents mostly fail
         self._last_check = 0.0
         self._missing_since: float | None = None
 
@@ -75,6 +78,7 @@ class DispatchLoop:
                     calls.handle(b, outcome)
                 self._collect()
                 self._commit()
+                self.share.check()
                 self.tally.show(len(calls.refs), self._remaining_tokens())
         except BaseException:
             try:  # commit every document that is complete before giving up; never a partial one
@@ -86,6 +90,7 @@ class DispatchLoop:
         self._collect()
         self._commit(force=True)
         self.tally.progress.close()
+        self.share.check(final=True)
 
     def _collect(self) -> None:
         """Complete documents and dead letters from the dispatcher into the commit buffer."""
@@ -101,6 +106,7 @@ class DispatchLoop:
                 continue
             self.buf.add_document(rows)
             self.tally.doc_ok(rows)
+            self.share.note(ok=1)
         task_errors = d.take_task_errors()  # (document, task)s that failed alone: the document goes on
         if task_errors:
             self.buf.add_errors(task_errors)
@@ -108,6 +114,7 @@ class DispatchLoop:
         if dead:
             self.buf.add_errors(dead)
             self.tally.docs_failed(dead)
+            self.share.note(dead=dead)
 
     def _postprocess(self, rows: list[dict]) -> tuple[list[dict], list[dict]]:
         """(rows after the pipeline's postprocess hook, []), or ([], the document's dead letter)

@@ -42,7 +42,12 @@ class JobRunner:
         self.spec = spec
         self.fresh = fresh
         self.plan = plan
-        self.pipeline = get_pipeline(spec.pipeline)  # its build, and its Python hooks when it has them
+        try:
+            self.pipeline = get_pipeline(spec.pipeline)  # its build, and its Python hooks when it has them
+        except ValueError as e:  # as `check_job` words it
+            from dlbatch.driver.checks import JobInvalid
+
+            raise JobInvalid(f"pipeline: {e}") from None
         self.dataset = dataset  # a ray.data.Dataset as the input (input.format dataset), else None: the files
         if (dataset is None) != (spec.input.format != "dataset"):
             raise ValueError("input.format 'dataset' reads the ray.data.Dataset given to dlbatch.run(job, dataset=...)"
@@ -70,50 +75,48 @@ class JobRunner:
     # ------------------------------------------------------------------------------------
     def run(self) -> dict:
         from connectors.io_retry import retry_count
-        from dlbatch.driver.config import RunConfig
+        from dlbatch.driver.checks import check_job
         from dlbatch.output import open_store
 
         spec = self.spec
         t_start = time.time()
         io_retries_start = retry_count()
-        # once, before anything is written: the backend runs here (engine_args, architecture),
-        # the context every stage uses, the pools and what their workers build
-        config = RunConfig.resolve(spec, self.plan)
+        # before anything is written or started, what `dlbatch validate` checks (JobInvalid:
+        # exit 2): the backend runs here, the context every stage uses, the layout, the inputs
+        # and the fields the job reads, the output and a resume it would refuse
+        checked = check_job(spec, self.plan, fresh=self.fresh)
+        self._t_checked = time.time()
         store = open_store(spec.output)  # Parquet parts or a Delta table: the format that wrote the output
         store.files.take_lease(spec.name, "run --fresh" if self.fresh else "run")  # one writer per output
         try:
-            return self._run_leased(store, config, t_start, io_retries_start)
+            return self._run_leased(store, checked, t_start, io_retries_start)
         finally:
             store.files.release_lease()
 
-    def _run_leased(self, store, config, t_start: float, io_retries_start: int) -> dict:
-        from connectors import list_inputs
+    def _run_leased(self, store, checked, t_start: float, io_retries_start: int) -> dict:
         from connectors.io_retry import retry_count
         import pyarrow as pa
 
-        from connectors.formats import input_format
+        from dlbatch.driver.dead_letter_share import RETRIED_ON_RESUME, TooManyDeadLetters
         from dlbatch.prompts.skip import SkipSet
         from dlbatch.jobspec import content_fields, fingerprint_fields, job_fingerprint
         from dlbatch.report.run import RunReport
 
-        spec = self.spec
+        spec, config, files = self.spec, checked.config, checked.files
         content = content_fields(spec)
         store, manifest = self._writer(store, content)
         if self.dataset is not None:
             return self._run_dataset(store, config, content, t_start, io_retries_start)
         report = RunReport(spec, self.plan, t_start)
-        report.startup.start("list_inputs")
-        files = list_inputs(spec.input.path, spec.input.format, dict(spec.input.storage_options))
-        report.startup.end("list_inputs")
-        from dlbatch.prompts.columns import check_columns
-
-        check_columns(spec, files)  # a column a template or keep_columns names: there before anything runs
+        report.startup.span("checks", t_start, self._t_checked)  # the configuration, inputs listed, fields read
         listed = set(files)
-        by_file = input_format(spec.input.format).one_doc_per_file  # a source is done when its document is
-        if spec.input.limit is not None and by_file:
-            files = files[:spec.input.limit]
-        sig = self._supersede_changed(store, files, report, by_file)
+        files, sig, by_file = self._versions(store, files, report)
         task_names = {t.name for t in spec.tasks}
+        if manifest and not (manifest.get("complete") and manifest.get("inputs") == sig):  # a resume
+            n = store.retry_dead_letters(set(RETRIED_ON_RESUME))
+            if n:
+                log.warning("resuming: %d documents dead-lettered with %s are read again", n,
+                            "/".join(sorted(RETRIED_ON_RESUME)))
         prog = store.progress(tasks=task_names)  # from the parts' index files, not their text
         report.inputs_deleted = sorted(prog["sources"] - listed)
         if report.inputs_deleted:
@@ -142,8 +145,13 @@ class JobRunner:
             print(f"job {spec.name!r}: every input is already processed; nothing to do", file=sys.stderr)
             return report
         skip = SkipSet(pa.concat_arrays([prog["done_ids"], prog["failed_ids"]]))  # 8 bytes per document
-        out = self._run_pools(store, config, todo, skip, report,
-                              docs_total_hint=len(files) if by_file else None)
+        try:
+            out = self._run_pools(store, config, todo, skip, report,
+                                  docs_total_hint=len(files) if by_file else None)
+        except TooManyDeadLetters as e:  # not complete; the next run knows why (checks.restart_reason)
+            store.files.write_json("_manifest.json", {**(store.files.read_json("_manifest.json") or {}),
+                                                      "halted": e.brief})
+            raise
         out = out.finish(store, retries={"worker": out.retries, "io": retry_count() - io_retries_start})
         if openai_export.wanted(spec):  # from the committed rows, before the job is marked complete
             openai_export.export(spec, store)
@@ -178,15 +186,20 @@ class JobRunner:
         store.files.write_json("_manifest.json", {**(store.files.read_json("_manifest.json") or {}), "complete": True})
         return out
 
-    def _supersede_changed(self, store, files: list[str], report, by_file: bool) -> str:
-        """Inputs that changed since their rows were committed lose those rows before anything
-        is read as done, then are redone: a one-document file (pdf, text) is its document,
-        replaced whole; a table file keeps row identity (appended rows are new documents,
-        committed ones stay) and loses the rows of its edited documents (`_supersede_edited`).
-        Then the inputs' versions are recorded. Returns the inputs' digest for the manifest."""
+    def _versions(self, store, files: list[str], report) -> tuple[list[str], str, bool]:
+        """-> (the inputs this run reads, the digest of their versions, whether each is one
+        document). Inputs that changed since their rows were committed lose those rows before
+        anything is read as done, then are redone: a one-document file (pdf, text) is its
+        document, replaced whole; a table file keeps row identity (appended rows are new
+        documents, committed ones stay) and loses the rows of its edited documents
+        (`_supersede_edited`). Then the inputs' versions are recorded."""
+        from connectors.formats import input_format
         from connectors.versions import input_versions, versions_digest
 
         spec = self.spec
+        by_file = input_format(spec.input.format).one_doc_per_file  # a source is done when its document is
+        if spec.input.limit is not None and by_file:
+            files = files[:spec.input.limit]
         report.startup.start("input_versions")
         recorded = store.files.read_sources()
         versions = input_versions(files, dict(spec.input.storage_options), cache=recorded)
@@ -201,7 +214,7 @@ class JobRunner:
         report.rows_edited = 0 if by_file else self._supersede_edited(store, changed)
         if versions != recorded:
             store.files.write_sources({**{s: r for s, r in recorded.items() if s not in versions}, **versions})
-        return versions_digest(versions, spec.input.limit)
+        return files, versions_digest(versions, spec.input.limit), by_file
 
     def _supersede_edited(self, store, changed: list[str]) -> int:
         """Edited rows of the table inputs in ``changed`` (dlbatch/driver/edits.py): their
@@ -224,17 +237,23 @@ class JobRunner:
         the output is refused. --fresh: ``store``, the format that wrote the output, deletes
         its files first; otherwise what a crashed (or taken-over) holder left half done is
         finished before progress is read. The manifest is checked against this job: a resume
-        must have the same output-determining settings."""
+        must have the same output-determining settings, unless its last run stopped on its
+        dead-letter share without a result row (`restart_reason`): then it starts over."""
+        from dlbatch.driver.checks import restart_reason
         from dlbatch.jobspec import check_resume_compatible
         from dlbatch.output import run_store
 
         spec = self.spec
-        if self.fresh:
+        restart = None if self.fresh else restart_reason(store, store.files.read_json("_manifest.json"))
+        if restart:
+            log.warning("%s: %s", spec.output.path, restart)
+        if self.fresh or restart:
             n = store.clear()
-            log.info("--fresh: removed %d files of a previous run under %s", n, spec.output.path)
+            log.info("%s: removed %d files of a previous run under %s", "--fresh" if self.fresh else "start over", n,
+                     spec.output.path)
             if openai_export.wanted(spec):
                 openai_export.clear(store)
-        store = run_store(store, spec.output, cleared=self.fresh)
+        store = run_store(store, spec.output, cleared=bool(self.fresh or restart))
         if not self.fresh:
             rec = store.recover()  # what a crashed (or taken-over) holder left half done
             if store.files.lease.taken_over or any(rec.values()):
@@ -249,6 +268,9 @@ class JobRunner:
         from dlbatch.driver.feed import BatchPrefetcher
 
         spec = self.spec
+        if config.layout is None:  # cluster: auto on an attached cluster: its chips decide
+            config = self._cluster_layout(config, report)
+        report.layout = config.layout
         pools = self.pools = WorkerPools(config, self.resource_timeout_s)
         prefetch = None
         try:
@@ -266,6 +288,20 @@ class JobRunner:
                 prefetch.close()
             pools.stop()
             self.pools = None
+
+    def _cluster_layout(self, config, report):
+        """The solver's layout on the attached cluster's ``chip:`` resources (Ray attached first)."""
+        import ray
+
+        from dlbatch.driver.chips import cluster_chips
+        from dlbatch.workers.session import start_ray
+
+        report.startup.start("layout")
+        start_ray(self.spec.cluster.address, {})
+        config = config.with_chips(cluster_chips(ray.cluster_resources()))
+        report.startup.end("layout")
+        log.info("layout: %s", config.layout.reason)
+        return config
 
     def _drive(self, store, batches, pools, report, docs_total_hint: int | None):
         """Run the DispatchLoop; returns the finishing step of the report (`_Finish`)."""

@@ -62,6 +62,18 @@ class PoolSpec(BaseModel):
         return self
 
 
+class PrefillPoolSpec(PoolSpec):
+    """The prefill pool of a job naming prefill/decode pools (its chip defaults to ``fast``)."""
+
+    chip: str = Field("fast", min_length=1)
+
+
+class DecodePoolSpec(PoolSpec):
+    """The decode pool of a job naming prefill/decode pools (its chip defaults to ``cheap``)."""
+
+    chip: str = Field("cheap", min_length=1)
+
+
 def check_pool_device(device: str, num_gpus: float) -> None:
     """A CUDA pool must ask Ray for GPUs (Ray then sets each worker's CUDA_VISIBLE_DEVICES,
     renumbering its GPUs from 0): ``cuda:N`` must index the worker's own GPUs."""
@@ -81,13 +93,24 @@ _HOST_PORT_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")
 
 
 class ClusterSpec(BaseModel):
+    """Where the workers run. The pools are the job's own when it names them (``colocated``,
+    or ``prefill`` with ``decode``: exactly those), a plan file's (``plan: <path>``, a
+    named pool of a role lending its device and resources to the plan's pool of that role),
+    or else the layout the solver picks from the cluster's chips (`dlbatch.driver.layout`):
+    `pools()` is then empty and `mode` ``"auto"``."""
+
     model_config = STRICT
 
     address: Optional[str] = None
     plan: Optional[str] = None
-    prefill: PoolSpec = Field(default_factory=lambda: PoolSpec(chip="fast"))
-    decode: PoolSpec = Field(default_factory=lambda: PoolSpec(chip="cheap"))
+    prefill: Optional[PrefillPoolSpec] = None
+    decode: Optional[DecodePoolSpec] = None
     colocated: Optional[PoolSpec] = None
+    # what the solver's layout optimises: documents/s per dollar-hour (cost) or documents/s
+    objective: Literal["cost", "throughput"] = "cost"
+    # a document's first token within this many seconds of its prefill starting (the layout's
+    # estimate, docs/solver.md); null: no latency target
+    ttft_target_s: Optional[float] = Field(None, gt=0)
     kv_transport: Literal["auto", "object_store", "shm", "rdt", "dlslime"] = "auto"
     # dlslime endpoints may listen off loopback (DLBATCH_DLSLIME_IP): whoever reaches one can
     # read and write the worker's memory (docs/transfer.md); off by default
@@ -110,13 +133,36 @@ class ClusterSpec(BaseModel):
             raise ValueError("must be null, 'auto' or the path to a plan JSON, got ''")
         return value
 
+    @model_validator(mode="after")
+    def _check_pools(self):
+        if self.colocated is None and (self.prefill is None) != (self.decode is None):
+            named, other = ("prefill", "decode") if self.decode is None else ("decode", "prefill")
+            raise ValueError(f"cluster.{named} is named without cluster.{other}: prefill and decode pools come as a "
+                             f"pair (name both, or cluster.colocated, or no pool at all: the solver picks)")
+        if self.plan == "auto" and self.pools():
+            raise ValueError(f"cluster.plan 'auto' lets the solver pick the pools, but the job names "
+                             f"{'/'.join(self.pools())} pools: drop cluster.plan (the named pools run) or the pools")
+        return self
+
     @property
     def mode(self) -> str:
-        """``"colocated"`` when ``colocated`` is set (it replaces prefill/decode), else ``"disaggregated"``."""
-        return "colocated" if self.colocated is not None else "disaggregated"
+        """``"colocated"`` when ``colocated`` is set (it replaces prefill/decode),
+        ``"disaggregated"`` for prefill/decode pools, ``"auto"`` when the job names none."""
+        if self.colocated is not None:
+            return "colocated"
+        return "disaggregated" if self.prefill is not None else "auto"
+
+    @property
+    def layout_source(self) -> str:
+        """Who decides the pools: ``"job"`` (named pools), ``"plan"`` (a plan file) or ``"solver"``."""
+        if self.plan not in (None, "auto"):
+            return "plan"
+        return "job" if self.pools() else "solver"
 
     def pools(self) -> dict[str, PoolSpec]:
-        """The worker pools this cluster section asks for, by role."""
+        """The worker pools this cluster section names, by role ({} when the solver picks)."""
         if self.colocated is not None:
             return {"colocated": self.colocated}
-        return {"prefill": self.prefill, "decode": self.decode}
+        if self.prefill is not None:
+            return {"prefill": self.prefill, "decode": self.decode}
+        return {}

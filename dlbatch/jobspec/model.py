@@ -84,6 +84,11 @@ class ModelSpec(BaseModel):
         backend_class(self.backend).validate_model(self)  # e.g. engine_args the backend does not take
         return self
 
+    def check_features(self, adapters: bool = False, images: bool = False) -> None:
+        """ValueError naming why this model's backend cannot run requests with ``adapters`` or
+        ``images`` (`EngineBackend.check_features`)."""
+        backend_class(self.backend).check_features(adapters=adapters, images=images)
+
     @property
     def served_names(self) -> tuple[str, ...]:
         """The names a request may give for this model: ``name``, then ``served_model_name``."""

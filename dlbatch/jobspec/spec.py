@@ -29,6 +29,9 @@ class JobSpec(BaseModel):
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     retries: RetriesSpec = Field(default_factory=RetriesSpec)
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    # a run whose dead-lettered share of documents passes this stops non-zero, its output not
+    # complete (judged from 20 finished documents on, and at the end); 1: never
+    max_dead_letter_fraction: float = Field(0.5, ge=0.0, le=1.0)
 
     _source: str = PrivateAttr(default="<dict>")
 
@@ -108,6 +111,8 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"model.backend {backend.name} runs {'/'.join(backend.roles)} workers only: set cluster.colocated "
                 f"(e.g. --set cluster.colocated.chip=fast). {backend.pd_note}")
+        for role, pool in self.cluster.pools().items():
+            backend.check_pool(self.model, role, pool)  # its num_gpus: the devices a replica drives
         return self
 
     @model_validator(mode="after")

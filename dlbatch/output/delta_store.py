@@ -73,7 +73,8 @@ from dlbatch.output.kept_columns import KeptColumns
 from dlbatch.output.lease import LeaseLost
 from dlbatch.output.parts import PartsFolder
 from dlbatch.output.progress import committed_progress, with_pending
-from dlbatch.output.rows import error_key, error_table, new_run_tag, not_from, result_key, result_table
+from dlbatch.output.rows import (error_key, error_table, new_run_tag, not_failed_with, not_from, result_key,
+                                 result_table)
 from dlbatch.records import INDEX_COLUMNS, result_schema
 
 log = logging.getLogger("dlbatch.output.delta_store")
@@ -402,6 +403,14 @@ class DeltaStore:
                 removed = int(res.get("num_deleted_rows", 0))
         self.dead.supersede(keep, values)
         return removed
+
+    def retry_dead_letters(self, error_types: set[str]) -> int:
+        """Remove the dead letters of whole documents failed with one of ``error_types``: after
+        `recover` they are all copies under ``_errors/`` (no pending file left), rewritten
+        crash-safely (`DeadLetters.supersede`)."""
+        self.recover()
+        keep, tag = not_failed_with(error_types)
+        return self.dead.supersede(keep, tag)
 
     def compact(self, min_parts: int = COMPACT_MIN_PARTS, target_bytes: int = COMPACT_TARGET_BYTES) -> dict:
         """``optimize.compact()`` (one transaction) when the snapshot has more than

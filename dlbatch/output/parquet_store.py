@@ -58,7 +58,8 @@ from dlbatch.output.files import OutputFiles
 from dlbatch.output.kept_columns import KeptColumns
 from dlbatch.output.parts import COMPACT_DIR, ERRORS_META, INDEX_DIR, PartsFolder
 from dlbatch.output.progress import committed_progress, with_pending
-from dlbatch.output.rows import error_key, error_table, new_run_tag, not_from, part_name, result_key, result_table
+from dlbatch.output.rows import (error_key, error_table, new_run_tag, not_failed_with, not_from, part_name, result_key,
+                                 result_table)
 from dlbatch.records import INDEX_COLUMNS, result_schema
 
 log = logging.getLogger("dlbatch.output.parquet_store")
@@ -218,6 +219,23 @@ class ParquetStore:
         removed = Compaction(self.parts).rewrite(keep, tag, self.parts.indexes())
         self.dead.supersede(keep, tag)
         return removed
+
+    def retry_dead_letters(self, error_types: set[str]) -> int:
+        """Remove the dead letters of whole documents failed with one of ``error_types``. After
+        `recover` every footer's dead letters have their copy under ``_errors/``; a result part
+        whose copy loses rows is first rewritten without its footer (a merge of one part: the
+        same rows, the copy alone records its dead letters), then the copies are rewritten
+        (`DeadLetters.supersede`), each step crash-safe as a merge."""
+        self.recover()
+        keep, tag = not_failed_with(error_types)
+        paths = self.dead.parts.parts()
+        hit = {self.dead.parts.name(p) for p, t in zip(paths, self.dead.parts.read(paths))
+               if keep(t).num_rows < t.num_rows}
+        comp = Compaction(self.parts)
+        for p in self.parts.parts():
+            if self.parts.name(p) in hit:
+                comp.merge([p])
+        return self.dead.supersede(keep, tag)
 
     def compact(self, min_parts: int = COMPACT_MIN_PARTS, small_rows: int = SMALL_ROWS,
                 target_rows: int = COMPACT_TARGET_ROWS, target_bytes: int = COMPACT_TARGET_BYTES) -> dict:

@@ -69,6 +69,24 @@ def result_table(rows: list[dict], include_text: bool, extra_fields=(), kept=Non
     return table
 
 
+def not_failed_with(error_types: set[str]):
+    """(keep, tag): ``keep(table)`` is the dead letters of ``table`` except those of whole
+    documents (no task) whose ``error_type`` is one of ``error_types``; ``tag`` those types
+    as an Arrow array."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = pa.array(sorted(error_types), pa.string())
+
+    def keep(t):
+        hit = pc.is_in(t.column("error_type").cast(pa.string()), value_set=values)
+        if "task" in t.column_names:  # parts written before the task column: every row a whole document
+            hit = pc.and_(hit, pc.is_null(t.column("task")))
+        return t.filter(pc.invert(pc.fill_null(hit, False)))
+
+    return keep, values
+
+
 def not_from(sources: set[str], doc_ids: set[str] | None = None):
     """(keep, tag): ``keep(table)`` is the rows of ``table`` whose input file is none of
     ``sources`` (`connectors.versions.source_files` of their ``source``) — with ``doc_ids``,

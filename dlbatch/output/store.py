@@ -74,6 +74,11 @@ class Store(Protocol):
         since their rows were committed; with ``doc_ids``, of those documents only: edited
         rows of a table input), crash-safely. Returns the result rows removed."""
 
+    def retry_dead_letters(self, error_types: set[str]) -> int:
+        """Remove, crash-safely, the dead letters of documents that failed whole with one of
+        ``error_types``, so that a resume reads them again (`dlbatch.driver.runner`'s rule).
+        Returns the dead letters removed."""
+
     def compact(self, min_parts: int = ...) -> dict:
         """Merge small data files into large ones when more than ``min_parts`` exist; every
         row stays visible once at every step. Returns ``parts_before``, ``merged_parts``,

@@ -70,16 +70,16 @@ def missing_columns(spec, columns: set[str]) -> list[str]:
     return problems
 
 
-def check_columns(spec, files: list[str]) -> None:
-    """Raises ValueError naming the first missing column (see `missing_columns`)."""
+def check_columns(spec, files: list[str]) -> set[str]:
+    """The first input's columns (`peek_columns`; empty for inputs without columns); raises
+    ValueError naming every column a template or keep_columns names that is not among them
+    (see `missing_columns`)."""
     from connectors.formats import input_format
-    from dlbatch.prompts.templates import column_references
 
     if not files or not input_format(spec.input.format).has_columns:
-        return
-    if not spec.output.keep_columns and not any(column_references(t.source) for t in spec.tasks):
-        return
+        return set()
     cols = peek_columns(files[0], spec.input.format, spec.input.text_field, dict(spec.input.storage_options))
     problems = missing_columns(spec, cols)
     if problems:
         raise ValueError(f"{files[0]}: " + "; ".join(problems))
+    return cols

@@ -297,10 +297,9 @@ class PromptStage:
         """An OpenAI batch chat with image parts -> its `Encoded` prompt (the model's processor
         loaded at the first such line); ValueError naming why it cannot run: a backend without
         image inputs, a model without an image processor, an image that is not one."""
-        from dlbatch.backends import backend_class
         from dlbatch.prompts.multimodal import MultimodalPrompts
 
-        backend_class(self.spec.model.backend).check_features(images=True)
+        self.spec.model.check_features(images=True)
         if self.mm is None:
             self.mm = MultimodalPrompts.for_job(self.spec, self.tok)
         return self.mm.chat_prompt(messages)

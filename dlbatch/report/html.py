@@ -294,6 +294,8 @@ def _html_page(report: Mapping[str, Any], png: bytes) -> str:
             body.append(f"<tr><th>{html.escape(str(name))}</th>{''.join(cells)}</tr>")
         parts.append("<table><caption>pools</caption>" + head + "".join(body) + "</table>")
 
+    parts += _layout_tables(report.get("layout"))
+
     startup = report.get("startup")
     if isinstance(startup, Mapping) and isinstance(startup.get("phases_s"), Mapping):
         rows = [_row(str(k), f"startup.phases_s.{k}", v) for k, v in startup["phases_s"].items() if _is_number(v)]
@@ -319,6 +321,32 @@ def _html_page(report: Mapping[str, Any], png: bytes) -> str:
 
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _layout_tables(layout: Any) -> list[str]:
+    """The layout that ran (how it was chosen, the solver's expected figures beside the
+    measured ones) and the alternatives the solver weighed."""
+    if not isinstance(layout, Mapping):
+        return []
+    rows = [_row(k, f"layout.{k}", layout[k]) for k in ("mode", "chosen_by", "reason") if k in layout]
+    for part in ("expected", "measured"):
+        figures = layout.get(part)
+        if isinstance(figures, Mapping):
+            rows += [_row(f"{part} {k}", f"layout.{part}.{k}", v) for k, v in figures.items() if _is_number(v)]
+    out = ["<table><caption>layout</caption>" + "".join(rows) + "</table>"]
+    alts = [a for a in layout.get("alternatives") or () if isinstance(a, Mapping)]
+    if alts:
+        cols = ["mode", "docs_per_s", "tokens_per_s", "simulated_docs_per_s", "usd_per_hour", "ttft_s", "error"]
+        head = "<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in ["pools", *cols]) + "</tr>"
+        body = []
+        for i, a in enumerate(alts):
+            pools = ", ".join(f"{p.get('role')} {p.get('chip')} x{p.get('replicas')}" for p in a.get("pools") or ()
+                              if isinstance(p, Mapping))
+            cells = "".join(_cell(f"layout.alternatives.{i}.{c}", a[c]) if c in a else "<td>&mdash;</td>"
+                            for c in cols)
+            body.append(f"<tr><th>{html.escape(pools or '-')}</th>{cells}</tr>")
+        out.append("<table><caption>layouts the solver weighed</caption>" + head + "".join(body) + "</table>")
+    return out
 
 
 def render_report(

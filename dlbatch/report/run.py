@@ -105,6 +105,7 @@ class RunReport:
         self.gen = GenerationTimeline(t_start)  # tokens by the time workers generated them
         self.commits: list[dict] = []  # one point per commit: the commit-time timeline
         self.first_batch_at: float | None = None  # when the input pipeline's first batch came out
+        self.layout = None  # dlbatch.driver.layout.Layout of the pools that ran (None: none started)
         self._note_process_start()
 
     # ---- during the run ----------------------------------------------------------------------
@@ -151,9 +152,10 @@ class RunReport:
         prompt_tokens, output_tokens = (tally.prompt_tokens, tally.output_tokens) if tally else (0, 0)
         tokens = prompt_tokens + output_tokens
         pools, prefill_computed, cached = {}, 0, 0
+        layout_pools = self.layout.pools if self.layout is not None else {}
         for role, sts in stats.items():
             busy = [s.get("busy_s", 0.0) / max(wall, 1e-9) for s in sts]
-            pool = self.spec.cluster.pools().get(role)
+            pool = layout_pools.get(role)
             pools[role] = {"replicas": len(sts), "chip": pool.chip if pool else None,
                            "busy_fraction": round(sum(busy) / max(1, len(busy)), 4),
                            "per_worker_busy": [round(b, 4) for b in busy]}
@@ -169,7 +171,7 @@ class RunReport:
             "docs_per_s": round((new_ok + new_failed) / wall, 4) if wall > 0 else 0.0,
             "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
             "plan": self.plan or {"pools": [{"role": r, "chip": p.chip, "replicas": p.replicas}
-                                            for r, p in self.spec.cluster.pools().items()]},
+                                            for r, p in layout_pools.items()]},
             "pools": pools, "kv_transport": kv_transport if "prefill" in pools else None,
             "rdt_regroups": rdt_regroups, "router": router or {}, "retries": retries or {"worker": 0, "io": 0},
             "dispatch": dispatch or {}, "timeline": self.commits,
@@ -182,8 +184,12 @@ class RunReport:
             "rows_edited": self.rows_edited,
         }
         report.update(self._startup_report())
-        if self.plan and self.plan.get("usd_per_hour"):
-            usd_h = float(self.plan["usd_per_hour"])
+        if self.layout is not None:  # which layout ran, how it was chosen, expected beside measured
+            report["layout"] = {**self.layout.to_dict(),
+                                "measured": {"docs_per_s": report["docs_per_s"], "tokens_per_s": report["tokens_per_s"]}}
+        usd_h = self.layout.usd_per_hour if self.layout is not None else None
+        if usd_h:
+            usd_h = float(usd_h)
             report["cost"] = {"usd_per_hour": usd_h, "usd_total": round(usd_h * wall / 3600, 6),
                               "usd_per_million_tokens": round(usd_h * wall / 3600 / max(tokens, 1) * 1e6, 6)}
         store.files.write_json("_report.json", report)

@@ -16,6 +16,7 @@ _EXPORTS = {
                 "to_profile"),
     "commands": ("load_chips", "plan_command", "simulate_command"),
     "compare": ("Comparison", "compare_heterogeneous"),
+    "layout": ("Candidate", "LayoutChoice", "choose_layout", "colocated_everywhere"),
     "milp": ("DeadlineError", "NoAvailabilityError", "NoFeasibleChipError", "Plan", "Pool", "SolverError", "solve"),
     "profile": ("ChipProfile", "CostModel", "ModelSpec", "ProfileError", "fit_decode", "fit_prefill", "load_profile",
                 "save_profile"),

@@ -49,6 +49,7 @@ class CatalogEntry:
     prefill_overhead_s: float = 0.005
     mem_util: float = 0.9
     calibrated_from: str = ""
+    device: str = "cuda"  # the torch device kind its workers run on (a pool's `device`)
 
     def __post_init__(self) -> None:
         for key in _NUM_FIELDS:
@@ -64,6 +65,9 @@ class CatalogEntry:
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"catalog chip {self.name!r}: {key} must be >= 0, got {v!r}")
+        if not isinstance(self.device, str) or not self.device.isidentifier():
+            raise ValueError(f"catalog chip {self.name!r}: device must be a device kind such as cuda or cpu, "
+                             f"got {self.device!r}")
         if not isinstance(self.source, str) or not self.source.strip():
             raise ValueError(f"catalog chip {self.name!r}: a non-empty 'source' is required")
 
@@ -108,7 +112,7 @@ def load_catalog(path: str | Path | None = None) -> dict[str, CatalogEntry]:
         where = f"{p}: chips.{name}"
         if not isinstance(raw, dict):
             raise ProfileError(f"{where} must be a mapping, got {raw!r}")
-        allowed = set(_NUM_FIELDS) | set(_EFF_FIELDS) | {"source", "price_source"}
+        allowed = set(_NUM_FIELDS) | set(_EFF_FIELDS) | {"source", "price_source", "device"}
         unknown = set(raw) - allowed
         if unknown:
             raise ProfileError(f"{where}: unknown key(s) {sorted(unknown)}")

@@ -10,6 +10,8 @@ Formulation (solved with ``scipy.optimize.milp``, i.e. HiGHS)::
     KV link     kvb * sum_i x[i,prefill] <= sum_i link_i * n[i,prefill]   (prefill egress)
                 kvb * sum_i x[i,decode]  <= sum_i link_i * n[i,decode]    (decode ingress)
     budget      sum price_i * n[i,r] <= budget_per_hour                  (when given)
+    one chip    n[i,r] <= avail_i * y[i,r], sum_i y[i,r] <= 1, y binary   (``one_chip_per_role``:
+                each role on one chip type, the pools `dlbatch run` can run)
     throughput  T = sum_i x[i,prefill] + sum_i x[i,colocated]             documents/s
 
 Objectives:
@@ -170,7 +172,8 @@ def _jsonable(o: Any) -> Any:
 # -- the MILP ---------------------------------------------------------------------
 class _Problem:
     def __init__(self, chips: dict[str, ChipProfile], available: dict[str, int], model: ModelSpec,
-                 workload: Workload, roles: Iterable[str], max_batch: int, chunk_tokens: int):
+                 workload: Workload, roles: Iterable[str], max_batch: int, chunk_tokens: int,
+                 one_chip_per_role: bool = False):
         self.chips, self.model, self.workload = chips, model, workload
         self.max_batch, self.chunk_tokens = max_batch, chunk_tokens
         self.gap = 1e-4
@@ -190,6 +193,7 @@ class _Problem:
         if not ({"prefill", "decode"} <= pd_roles):   # PD needs both sides
             self.vars = [(c, r) for c, r in self.vars if r == "colocated"]
         self.nv = len(self.vars)
+        self.ny = self.nv if one_chip_per_role else 0  # binaries y[i,r]: role r uses chip i
         kv = workload.kv_tokens_transferred_per_doc * model.kv_bytes_per_token
         self.kv_bytes_per_doc = kv
 
@@ -206,8 +210,8 @@ class _Problem:
 
         rows, lo, hi = [], [], []
 
-        def add(n_coef, x_coef, l, h):
-            rows.append(np.concatenate([n_coef, x_coef]))
+        def add(n_coef, x_coef, l, h, y_coef=None):
+            rows.append(np.concatenate([n_coef, x_coef, np.zeros(self.ny) if y_coef is None else y_coef]))
             lo.append(l)
             hi.append(h)
 
@@ -223,11 +227,19 @@ class _Problem:
             add(z, is_p.astype(float) - is_d.astype(float), 0.0, 0.0)      # flow balance
             add(-link * is_p, is_p.astype(float), -np.inf, 0.0)             # prefill egress
             add(-link * is_d, is_d.astype(float), -np.inf, 0.0)             # decode ingress
-        self.base_A = np.array(rows) if rows else np.zeros((0, 2 * nv))
+        if self.ny:
+            for j in range(nv):                  # n[j] only where y[j] = 1
+                nc, yc = z.copy(), z.copy()
+                nc[j], yc[j] = 1.0, -avail[j]
+                add(nc, z, -np.inf, 0.0, yc)
+            for r in dict.fromkeys(r for _, r in self.vars):   # one chip type per role
+                add(z, z, -np.inf, 1.0, np.array([1.0 if rr == r else 0.0 for _, rr in self.vars]))
+        zy = np.zeros(self.ny)
+        self.base_A = np.array(rows) if rows else np.zeros((0, 2 * nv + self.ny))
         self.base_lo, self.base_hi = np.array(lo), np.array(hi)
-        self.T_coef = np.concatenate([z, (is_p | is_c).astype(float)])
-        self.cost_coef = np.concatenate([price, z])
-        self.pd_count = np.concatenate([(is_p | is_d).astype(float), z])
+        self.T_coef = np.concatenate([z, (is_p | is_c).astype(float), zy])
+        self.cost_coef = np.concatenate([price, z, zy])
+        self.pd_count = np.concatenate([(is_p | is_d).astype(float), z, zy])
 
     def run(self, c: np.ndarray, extra: list[tuple[np.ndarray, float, float]]) -> np.ndarray | None:
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -238,9 +250,9 @@ class _Problem:
             A = np.vstack([A] + [e[0][None, :] for e in extra])
             lo = np.concatenate([lo, [e[1] for e in extra]])
             hi = np.concatenate([hi, [e[2] for e in extra]])
-        ub = np.concatenate([self.avail, self.rate * self.avail])
-        integrality = np.concatenate([np.ones(nv), np.zeros(nv)])
-        res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(2 * nv), ub),
+        ub = np.concatenate([self.avail, self.rate * self.avail, np.ones(self.ny)])
+        integrality = np.concatenate([np.ones(nv), np.zeros(nv), np.ones(self.ny)])
+        res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(2 * nv + self.ny), ub),
                    constraints=[LinearConstraint(A, lo, hi)],
                    options={"mip_rel_gap": self.gap, "time_limit": 30.0})
         if res.status == 2 or res.x is None:      # infeasible
@@ -249,6 +261,7 @@ class _Problem:
             raise SolverError(f"MILP solver stopped without an optimal answer: {res.message}")
         x = res.x.copy()
         x[:nv] = np.round(x[:nv])
+        x[2 * nv:] = np.round(x[2 * nv:])
         return x
 
     # evaluate an integer assignment deterministically (max flow through the pools)
@@ -331,12 +344,15 @@ def _feasibility_errors(prob: _Problem, chips, available, model, workload, roles
 def solve(chips: dict[str, ChipProfile], available: dict[str, int], model: ModelSpec, workload: Workload,
           objective: str = "throughput", budget_per_hour: float | None = None,
           deadline_hours: float | None = None, max_batch: int = 256,
-          roles: Iterable[str] = ROLES, chunk_tokens: int = 8192, compare_modes: bool = True) -> Plan:
+          roles: Iterable[str] = ROLES, chunk_tokens: int = 8192, compare_modes: bool = True,
+          one_chip_per_role: bool = False) -> Plan:
     """Choose worker counts per (chip, role) for ``objective``; see the module docstring.
 
     ``available`` maps chip names (keys of ``chips``) to how many chips may be used.
     With one chip type (and both colocated and PD roles allowed) the plan's ``why``
     compares the best colocated-only and PD-only plans and says which wins and why.
+    ``one_chip_per_role``: every role's workers on one chip type (one pool per role, what
+    `dlbatch run` runs).
     """
     import time
 
@@ -344,7 +360,7 @@ def solve(chips: dict[str, ChipProfile], available: dict[str, int], model: Model
     _validate_inputs(chips, available, model, workload, objective, budget_per_hour, deadline_hours, roles)
     available = {n: int(available.get(n, 0)) for n in chips}
     t0 = time.perf_counter()
-    prob = _Problem(chips, available, model, workload, roles, max_batch, chunk_tokens)
+    prob = _Problem(chips, available, model, workload, roles, max_batch, chunk_tokens, one_chip_per_role)
     _feasibility_errors(prob, chips, available, model, workload, roles)
 
     extra_budget = []

@@ -21,6 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SHORT = ["tasks.0.max_tokens=8", "tasks.1.max_tokens=6", "tasks.2.max_tokens=6", "model.max_model_len=2048"]
 # one document per batch, one batch in flight: documents finish (and commit) one after another
 SEQ = ["batching.max_batch_tokens=4096", "batching.max_inflight_batches=1"]
+# prefill/decode pools on the chips the test session's Ray declares (as jobs/papers_pd.yaml names them)
+PD_POOLS = ["cluster.prefill.chip=fast", "cluster.decode.chip=cheap"]
 KEYCOLS = ["doc_id", "source", "task", "output", "prompt_tokens", "output_tokens", "finish_reason", "truncated"]
 
 

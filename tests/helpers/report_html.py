@@ -61,7 +61,7 @@ def lookup(report, key):
         return report[key]
     node = report
     for part in key.split("."):
-        node = node[part]
+        node = node[int(part)] if isinstance(node, list) else node[part]
     return node
 
 
