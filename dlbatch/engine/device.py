@@ -1,7 +1,27 @@
-"""What the device can compute fast: on CPUs without native bf16/fp16 matrix instructions
-(AVX512-BF16, AMX, AVX512-FP16) torch emulates half-precision matmuls, several times
-slower than fp32 (figures per CPU kind: docs/benchmarks.md). There the engine stores and
-computes in fp32 and says so; ``allow_upcast=False`` keeps the requested dtype."""
+"""What the device computes fast. On a CPU the engine computes a half-precision request
+(``model.dtype: bfloat16`` or ``float16``) in the dtype that is fastest on that CPU kind,
+chosen from the CPU's flags at run time by a table of measured figures (``CPU_KINDS``
+below; the figures, on 2 vCPUs with torch 2.13: docs/benchmarks.md, "Which dtype the
+engine computes in, per CPU kind"). The first kind whose flag the CPU has applies:
+
+- ``amx`` (``amx_bf16``): bf16 stays bf16 (AMX: bf16 matmul 2,098 GFLOP/s against 354 in
+  fp32; the paper workload 11.8 s against 25.8 s).
+- ``avx512_bf16`` (AVX-512 + AVX512_BF16, no AMX): fp32. ``vdpbf16ps`` does as many
+  multiply-adds per cycle as the two fp32 FMA ports, and every bf16 op converts on the
+  way: bf16 matmul 199-201 GFLOP/s against 383 in fp32; a 2K-token prefill 430 tokens/s
+  in bf16 against 865 in fp32; the paper workload 42-44 s against 26-30 s. At the batch
+  sizes of a batch job's decode (24-64 rows) fp32 linears are as fast or faster too.
+- ``avx2`` and anything else: fp32 (torch emulates bf16: 1.1-1.3 GFLOP/s against 91.5).
+
+fp16 stays fp16 only with AMX-FP16 (``amx_fp16``): AVX512-FP16 matmuls run at the fp32
+rate inside oneDNN (374-398 GFLOP/s) while the engine's fp16 elementwise ops are torch's
+unfused ones (a 2K-token prefill: 221 tokens/s against 865 in fp32, on the avx512_bf16
+kind, whose AVX512-FP16 is the one AMX-BF16 CPUs have).
+
+The KV cache follows the compute dtype unless ``kv_cache_dtype`` says otherwise (on the
+avx512_bf16 kind a bf16 cache under fp32 compute was no faster on the paper workload:
+there the decode kernel is not bandwidth-bound). An upcast is logged;
+``allow_upcast=False`` keeps the requested dtype."""
 from __future__ import annotations
 
 import ctypes
@@ -25,22 +45,45 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_native_half(dtype_name: str) -> bool:
-    flags = cpu_flags()
-    if dtype_name == "bfloat16":
-        return bool({"avx512_bf16", "amx_bf16"} & flags)
+# (kind, the flag that defines it, {requested half dtype: the dtype computed; fp32 if absent}),
+# most capable first; the first kind whose flag the CPU has applies (the module docstring)
+CPU_KINDS = (
+    ("amx", "amx_bf16", {"bfloat16": "bfloat16"}),
+    ("avx512_bf16", "avx512_bf16", {}),
+    ("avx2", "avx2", {}),
+)
+FP16_FLAG = "amx_fp16"  # fp16 is kept only where AMX multiplies it
+
+
+def cpu_kind(flags: frozenset[str] | None = None) -> str:
+    """The CPU kind of the table above for ``flags`` (this machine's when None): ``amx``,
+    ``avx512_bf16``, ``avx2`` or ``other``."""
+    flags = cpu_flags() if flags is None else flags
+    return next((kind for kind, flag, _ in CPU_KINDS if flag in flags), "other")
+
+
+def cpu_compute_dtype(dtype_name: str, flags: frozenset[str] | None = None) -> str:
+    """The dtype a CPU with ``flags`` (this machine's when None) computes a ``dtype_name``
+    model in fastest: float32 stays float32; a half dtype stays only where the table says."""
+    if dtype_name == "float32":
+        return "float32"
+    flags = cpu_flags() if flags is None else flags
     if dtype_name == "float16":
-        return bool({"avx512_fp16", "amx_fp16"} & flags)
-    return True
+        return "float16" if FP16_FLAG in flags else "float32"
+    kind = cpu_kind(flags)
+    table = next((t for k, _, t in CPU_KINDS if k == kind), {})
+    return table.get(dtype_name, "float32")
 
 
 def compute_dtype(dtype_name: str, device_type: str, allow_upcast: bool = True) -> str:
     """The dtype the engine actually runs in for a requested `dtype_name`."""
-    if device_type == "cpu" and allow_upcast and not cpu_native_half(dtype_name):
-        log.info("CPU has no native %s matmul: computing in float32 (faster here, and at least as exact)",
-                 dtype_name)
-        return "float32"
-    return dtype_name
+    if device_type != "cpu" or not allow_upcast:
+        return dtype_name
+    chosen = cpu_compute_dtype(dtype_name)
+    if chosen != dtype_name:
+        log.info("CPU kind %s: %s matmuls are slower than float32 here (dlbatch/engine/device.py, "
+                 "docs/benchmarks.md): computing in float32", cpu_kind(), dtype_name)
+    return chosen
 
 
 # glibc malloc settings for an engine on the CPU (keep_freed_memory)
