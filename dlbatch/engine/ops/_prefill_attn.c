@@ -117,7 +117,9 @@ typedef struct {
     float *m, *l;   /* Rp: running maximum and sum per row */
     float *bmax;    /* Rp: this block's maximum score per row (-inf: nothing visible) */
     float *corr;    /* Rp: this block's rescale per row */
-    float *kb, *vb; /* BK x D: the block's K and V rows of this KV head, float32, contiguous */
+    float *kb, *vb; /* BK x D: a half-precision cache's K and V rows of the block, widened */
+    const float *krow[BK], *vrow[BK]; /* each key's float32 row of this KV head */
+    size_t kstride; /* floats between consecutive keys of a score tile (UK keys of one cache block) */
     int32_t *pos;   /* Rp: each row's position */
     int32_t *idx;   /* Rp: each row's offset in q from the item's first token */
 } scratch_t;
@@ -137,11 +139,12 @@ static inline __attribute__((always_inline)) void qk_tile(scratch_t *S, int Rp, 
                                                           int window, int masked, vf *bm) {
     vf a[UK][2];
     for (int u = 0; u < UK; u++) a[u][0] = a[u][1] = (vf){0};
-    const float *qt = S->qt + r0, *k = S->kb + (size_t)j0 * D;
+    const float *qt = S->qt + r0, *k = S->krow[j0];
+    const size_t ks = S->kstride;
     for (int d = 0; d < D; d++) {
         const vf x0 = ld(qt + (size_t)d * Rp), x1 = ld(qt + (size_t)d * Rp + W);
         for (int u = 0; u < UK; u++) {
-            const vf kv = (vf)_mm512_set1_ps(k[(size_t)u * D + d]);
+            const vf kv = (vf)_mm512_set1_ps(k[(size_t)u * ks + d]);
             a[u][0] += kv * x0;
             a[u][1] += kv * x1;
         }
@@ -168,7 +171,7 @@ static inline __attribute__((always_inline)) void pv_tile(scratch_t *S, int Rp, 
     for (int u = 0; u < U; u++)
         for (int c = 0; c < C; c++) a[u][c] = ld(S->o + (size_t)(r0 + u) * D + c0 + W * c);
     for (int j = 0; j < nk; j++) {
-        const float *v = S->vb + (size_t)j * D + c0, *p = S->s + (size_t)j * Rp + r0;
+        const float *v = S->vrow[j] + c0, *p = S->s + (size_t)j * Rp + r0;
         vf x[4];
         for (int c = 0; c < C; c++) x[c] = ld(v + W * c);
         for (int u = 0; u < U; u++) {
@@ -284,16 +287,32 @@ static void item(const pjob_t *J, scratch_t *S, const item_t *it) {
     const size_t row = (size_t)J->Hkv * D, h0 = (size_t)it->h * D;
     void (*block)(scratch_t *, int, int, int, int, int, int64_t, int, int) =
         D == 64 ? block_d64 : D == 128 ? block_d128 : block_any;
+    const int direct = J->kind == KV_F32 && J->block_size >= UK;
+    S->kstride = direct ? row : (size_t)D;
+    if (!direct)
+        for (int j = 0; j < BK; j++) S->krow[j] = S->kb + (size_t)j * D, S->vrow[j] = S->vb + (size_t)j * D;
     for (int64_t kb = lo / BK * BK; kb < hi; kb += BK) {
         const int nk = (int)(hi - kb < BK ? hi - kb : BK), nkp = (nk + UK - 1) / UK * UK;
-        for (int j = 0; j < nk; j++) {
-            const int64_t t = kb + j;
-            const size_t off = (size_t)((tab[t >> sh] << sh) + (t & (J->block_size - 1))) * row + h0;
-            widen_row(J->kc, J->kind, off, D, S->kb + (size_t)j * D);
-            widen_row(J->vc, J->kind, off, D, S->vb + (size_t)j * D);
+        if (direct) {
+            /* a float32 cache, rows read in place: a score tile's UK keys (from a multiple of
+             * UK) lie in one cache block, at row stride, those past the end included (stale
+             * rows of an allocated block, masked) */
+            for (int j = 0; j < nk; j++) {
+                const int64_t t = kb + j;
+                const size_t off = (size_t)((tab[t >> sh] << sh) + (t & (J->block_size - 1))) * row + h0;
+                S->krow[j] = (const float *)J->kc + off;
+                S->vrow[j] = (const float *)J->vc + off;
+            }
+        } else {
+            for (int j = 0; j < nk; j++) {
+                const int64_t t = kb + j;
+                const size_t off = (size_t)((tab[t >> sh] << sh) + (t & (J->block_size - 1))) * row + h0;
+                widen_row(J->kc, J->kind, off, D, S->kb + (size_t)j * D);
+                widen_row(J->vc, J->kind, off, D, S->vb + (size_t)j * D);
+            }
+            /* keys past the block's end up to a whole tile: zeros, masked (past every row) */
+            memset(S->kb + (size_t)nk * D, 0, sizeof(float) * (size_t)(nkp - nk) * D);
         }
-        /* keys past the block's end up to a whole tile: zeros, masked (past every row) */
-        memset(S->kb + (size_t)nk * D, 0, sizeof(float) * (size_t)(nkp - nk) * D);
         const int masked = kb + nkp - 1 > first || (J->window > 0 && kb <= last - J->window);
         block(S, R, Rp, D, nk, nkp, kb, J->window, masked);
     }
