@@ -106,6 +106,11 @@ def test_engine_bench_smoke(tmp_path):
     assert min(so["new_meta_s"], so["new_step_s"], so["legacy_meta_s"], so["legacy_step_s"]) > 0
     (t,) = [t for t in r["targets"] if t["target"].startswith("step metadata")]
     assert _close(t["value"], so["new_meta_s"] * 1e3)
+    tiny = so["tiny_model"]  # --quick: 4 sequences x 256 tokens on the tiny random model
+    assert (tiny["batch"], tiny["context"]) == (4, 256) and tiny["step_s"] > 0 and tiny["steps"] >= 1
+    assert _close(tiny["limit_s"], tiny["kv_bytes"] / bw) and tiny["kv_bytes"] > 4 * 256 * 2 * 2 * 16 * 4
+    (t,) = [t for t in r["targets"] if t["target"].startswith("tiny-model decode step")]
+    assert _close(t["value"], tiny["step_s"] * 1e3) and t["met"] == (tiny["step_s"] <= 10e-3)
 
 
 def test_step_overhead_legacy_prepare_agrees():
