@@ -18,7 +18,8 @@ rate inside oneDNN (374-398 GFLOP/s) while the engine's fp16 elementwise ops are
 unfused ones (a 2K-token prefill: 221 tokens/s against 865 in fp32, on the avx512_bf16
 kind, whose AVX512-FP16 is the one AMX-BF16 CPUs have).
 
-The KV cache follows the compute dtype unless ``kv_cache_dtype`` says otherwise (on the
+An upcast needs the float32 weights to fit (``compute_dtype``'s memory check); the KV
+cache follows the compute dtype unless ``kv_cache_dtype`` says otherwise (on the
 avx512_bf16 kind a bf16 cache under fp32 compute was no faster on the paper workload:
 there the decode kernel is not bandwidth-bound). An upcast is logged;
 ``allow_upcast=False`` keeps the requested dtype."""
@@ -75,14 +76,28 @@ def cpu_compute_dtype(dtype_name: str, flags: frozenset[str] | None = None) -> s
     return table.get(dtype_name, "float32")
 
 
-def compute_dtype(dtype_name: str, device_type: str, allow_upcast: bool = True) -> str:
-    """The dtype the engine actually runs in for a requested `dtype_name`."""
+UPCAST_MEMORY_SHARE = 0.5  # an upcast model's float32 weights may take at most this share of the free memory
+
+
+def compute_dtype(dtype_name: str, device_type: str, allow_upcast: bool = True, params: int | None = None,
+                  available: int | None = None) -> str:
+    """The dtype the engine actually runs in for a requested `dtype_name`. With ``params``
+    (the model's parameter count) and ``available`` (free host bytes), an upcast to float32
+    happens only when the float32 weights take at most UPCAST_MEMORY_SHARE of the free
+    memory: a half-precision model that fits only in half precision runs as asked (slower
+    on these CPUs, but it runs)."""
     if device_type != "cpu" or not allow_upcast:
         return dtype_name
     chosen = cpu_compute_dtype(dtype_name)
-    if chosen != dtype_name:
-        log.info("CPU kind %s: %s matmuls are slower than float32 here (dlbatch/engine/device.py, "
-                 "docs/benchmarks.md): computing in float32", cpu_kind(), dtype_name)
+    if chosen == dtype_name:
+        return chosen
+    if params is not None and available is not None and 4 * params > UPCAST_MEMORY_SHARE * available:
+        log.info("CPU kind %s: %s matmuls are slower than float32 here, but %.1f GiB of float32 weights would "
+                 "take more than %.0f%% of the %.1f GiB free: computing in %s", cpu_kind(), dtype_name,
+                 4 * params / 2**30, 100 * UPCAST_MEMORY_SHARE, available / 2**30, dtype_name)
+        return dtype_name
+    log.info("CPU kind %s: %s matmuls are slower than float32 here (dlbatch/engine/device.py, "
+             "docs/benchmarks.md): computing in float32", cpu_kind(), dtype_name)
     return chosen
 
 

@@ -44,3 +44,14 @@ def test_compute_dtype_reads_this_machines_flags_and_logs_an_upcast(monkeypatch,
     assert compute_dtype("bfloat16", "cuda") == "bfloat16"  # the table is for CPUs
     monkeypatch.setattr(device, "cpu_flags", lambda: AMX)
     assert compute_dtype("bfloat16", "cpu") == "bfloat16"
+
+
+def test_an_upcast_needs_the_float32_weights_to_fit(monkeypatch):
+    """A bf16 model whose float32 copy would take more than half the free memory runs in
+    bf16 (slower, but it fits); one that fits is upcast."""
+    monkeypatch.setattr(device, "cpu_flags", lambda: AVX512_BF16)
+    gib = 1 << 30
+    assert compute_dtype("bfloat16", "cpu", params=8 * 10**9, available=24 * gib) == "bfloat16"
+    assert compute_dtype("bfloat16", "cpu", params=135 * 10**6, available=24 * gib) == "float32"
+    assert compute_dtype("float16", "cpu", params=3 * gib, available=24 * gib) == "float32"  # 12 GiB of 24: fits
+    assert compute_dtype("float16", "cpu", params=3 * gib + 1, available=24 * gib) == "float16"

@@ -58,21 +58,18 @@ typedef struct {
 #include <immintrin.h>
 #define W 16 /* floats per vector */
 
-/* n elements of a cache row from element off, as float32 into dst */
+/* n (a multiple of 16) elements of a cache row from element off, as float32 into dst */
 static inline void widen_row(const void *cache, int kind, size_t off, int n, float *dst) {
     if (kind == KV_F32) {
         memcpy(dst, (const float *)cache + off, sizeof(float) * (size_t)n);
         return;
     }
     const uint16_t *h = (const uint16_t *)cache + off;
-    if (kind == KV_BF16) {
-        for (int i = 0; i < n; i++) {
-            const uint32_t u = (uint32_t)h[i] << 16;
-            memcpy(dst + i, &u, 4);
-        }
-    } else {
-        const _Float16 *f = (const _Float16 *)h;
-        for (int i = 0; i < n; i++) dst[i] = (float)f[i];
+    for (int i = 0; i < n; i += 16) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(h + i));
+        const __m512 y = kind == KV_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16))
+                                         : _mm512_cvtph_ps(x);
+        _mm512_storeu_ps(dst + i, y);
     }
 }
 
