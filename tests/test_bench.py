@@ -135,6 +135,26 @@ def test_step_overhead_legacy_prepare_agrees():
         assert a.tolist() == b.tolist()
 
 
+def test_dtype_linear_figures_come_from_the_timings(tmp_path, capsys):
+    """The dtype table's bench: one row per row count, each path's GFLOP/s its summed
+    FLOPs over its summed median times, and the JSON holding the same figures."""
+    from dlbatch.bench import dtype_linear
+
+    out = tmp_path / "dt.json"
+    res = dtype_linear.main(["--rows", "1,3", "--min-s", "0", "--json", str(out)])
+    assert [r["m"] for r in res["rows"]] == [1, 3]
+    for r in res["rows"]:
+        assert r["flops"] == 2 * r["m"] * sum(n * k for n, k in dtype_linear.SHAPES)
+        assert set(r["gflops"]) == set(dtype_linear.PATHS)
+        for p in dtype_linear.PATHS:
+            assert r["seconds"][p] > 0 and _close(r["gflops"][p], r["flops"] / r["seconds"][p] / 1e9)
+    assert set(res["square_2048_gflops"]) == {"float32", "bfloat16"}
+    assert json.loads(out.read_text())["rows"][1]["gflops"] == res["rows"][1]["gflops"]
+    assert "bfloat16 oneDNN packed" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--rows"):
+        dtype_linear.main(["--rows", "0"])
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_pipeline_bench_smoke(tmp_path, sample_model):
