@@ -8,9 +8,11 @@ engine computes in, per CPU kind"). The first kind whose flag the CPU has applie
   fp32; the paper workload 11.8 s against 25.8 s).
 - ``avx512_bf16`` (AVX-512 + AVX512_BF16, no AMX): fp32. ``vdpbf16ps`` does as many
   multiply-adds per cycle as the two fp32 FMA ports, and every bf16 op converts on the
-  way: bf16 matmul 199-201 GFLOP/s against 383 in fp32; a 2K-token prefill 430 tokens/s
-  in bf16 against 865 in fp32; the paper workload 42-44 s against 26-30 s. At the batch
-  sizes of a batch job's decode (24-64 rows) fp32 linears are as fast or faster too.
+  way: a model's layer linears at 24 to 2,048 rows (decode batches of a batch job, prefill
+  chunks) run at 122-156 GFLOP/s in bf16 against 181-264 in fp32; a 2K-token prefill 430
+  tokens/s in bf16 against 865 in fp32; the paper workload 42.4 s against 30.3 s. bf16
+  is faster only at one row (level at eight) through oneDNN's packed bf16 path (a step
+  there reads the weights, and bf16 reads half the bytes), which the engine does not take.
 - ``avx2`` and anything else: fp32 (torch emulates bf16: 1.1-1.3 GFLOP/s against 91.5).
 
 fp16 stays fp16 only with AMX-FP16 (``amx_fp16``): AVX512-FP16 matmuls run at the fp32
@@ -20,8 +22,8 @@ kind, whose AVX512-FP16 is the one AMX-BF16 CPUs have).
 
 An upcast needs the float32 weights to fit (``compute_dtype``'s memory check); the KV
 cache follows the compute dtype unless ``kv_cache_dtype`` says otherwise (on the
-avx512_bf16 kind a bf16 cache under fp32 compute was no faster on the paper workload:
-there the decode kernel is not bandwidth-bound). An upcast is logged;
+avx512_bf16 kind a bf16 cache under fp32 compute saves ~9 ms of a ~150 ms paper-workload
+decode step, within that workload's run-to-run spread). An upcast is logged;
 ``allow_upcast=False`` keeps the requested dtype."""
 from __future__ import annotations
 
