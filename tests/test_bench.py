@@ -106,6 +106,11 @@ def test_engine_bench_smoke(tmp_path):
     assert min(so["new_meta_s"], so["new_step_s"], so["legacy_meta_s"], so["legacy_step_s"]) > 0
     (t,) = [t for t in r["targets"] if t["target"].startswith("step metadata")]
     assert _close(t["value"], so["new_meta_s"] * 1e3)
+    tiny = so["tiny_model"]  # --quick: 4 sequences x 256 tokens on the tiny random model
+    assert (tiny["batch"], tiny["context"]) == (4, 256) and tiny["step_s"] > 0 and tiny["steps"] >= 1
+    assert _close(tiny["limit_s"], tiny["kv_bytes"] / bw) and tiny["kv_bytes"] > 4 * 256 * 2 * 2 * 16 * 4
+    (t,) = [t for t in r["targets"] if t["target"].startswith("tiny-model decode step")]
+    assert _close(t["value"], tiny["step_s"] * 1e3) and t["met"] == (tiny["step_s"] <= 10e-3)
 
 
 def test_step_overhead_legacy_prepare_agrees():
@@ -128,6 +133,26 @@ def test_step_overhead_legacy_prepare_agrees():
     new, old = runner.prepare(out), legacy_prepare(runner, out)
     for a, b in ((new[0], old[0]), (new[1], old[1]), (new[2].slots, old[2].slots), (new[3], old[3])):
         assert a.tolist() == b.tolist()
+
+
+def test_dtype_linear_figures_come_from_the_timings(tmp_path, capsys):
+    """The dtype table's bench: one row per row count, each path's GFLOP/s its summed
+    FLOPs over its summed median times, and the JSON holding the same figures."""
+    from dlbatch.bench import dtype_linear
+
+    out = tmp_path / "dt.json"
+    res = dtype_linear.main(["--rows", "1,3", "--min-s", "0", "--json", str(out)])
+    assert [r["m"] for r in res["rows"]] == [1, 3]
+    for r in res["rows"]:
+        assert r["flops"] == 2 * r["m"] * sum(n * k for n, k in dtype_linear.SHAPES)
+        assert set(r["gflops"]) == set(dtype_linear.PATHS)
+        for p in dtype_linear.PATHS:
+            assert r["seconds"][p] > 0 and _close(r["gflops"][p], r["flops"] / r["seconds"][p] / 1e9)
+    assert set(res["square_2048_gflops"]) == {"float32", "bfloat16"}
+    assert json.loads(out.read_text())["rows"][1]["gflops"] == res["rows"][1]["gflops"]
+    assert "bfloat16 oneDNN packed" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--rows"):
+        dtype_linear.main(["--rows", "0"])
 
 
 @pytest.mark.slow

@@ -20,7 +20,9 @@ Figures (medians over repeats):
 - step overhead (dlbatch/bench/step_overhead.py): host time of `ModelRunner.prepare` for
   64 decoding sequences x 4K context, and of a whole decode step with a no-op model
   (schedule, prepare, sample over the real vocabulary, postprocess), against the
-  previous list-based `prepare` measured in the same run.
+  previous list-based `prepare` measured in the same run; and a real decode step of 64
+  sequences x 4K context on the tiny random model (2 layers, hidden 64: the step is host
+  work and the KV read), against reading that KV once at the copy bandwidth.
 - roofline: prefill achieved FLOP/s ÷ peak of the dtype ours computes in (and of the
   requested dtype); decode (weight bytes + KV bytes read per step) ÷ step time ÷ copy
   bandwidth.
@@ -292,16 +294,20 @@ def roofline_fractions(prefill: list[dict], decode: list[dict], lim: dict, ours_
         row["ours_frac_bw"] = row["ours_bytes_per_s"] / bw
 
 
-def step_overhead(llm) -> dict:
-    """The "step overhead" line: per-step host work with a no-op model, against the old
-    list-based prepare measured in the same run (dlbatch/bench/step_overhead.py)."""
-    from dlbatch.bench.step_overhead import measure as measure_step
+def step_overhead(llm, quick: bool = False) -> dict:
+    """The "step overhead" lines: per-step host work with a no-op model, against the old
+    list-based prepare measured in the same run, and a whole decode step on the tiny random
+    model against reading its KV once (dlbatch/bench/step_overhead.py)."""
+    from dlbatch.bench.step_overhead import measure as measure_step, tiny_model_step
 
     so = measure_step(llm.engine.model, llm.engine.mconf)
     print(f"  step overhead (batch {so['batch']} x {so['context']} ctx, no-op model): metadata "
           f"{so['new_meta_s'] * 1e3:.2f} ms (list-based before: {so['legacy_meta_s'] * 1e3:.2f} ms), "
           f"decode step {so['new_step_s'] * 1e3:.2f} ms (before: {so['legacy_step_s'] * 1e3:.2f} ms), of which "
           f"sampling {so['sample_s'] * 1e3:.2f} ms: host time {so['new_host_s'] * 1e3:.2f} ms", flush=True)
+    tiny = so["tiny_model"] = tiny_model_step(*((4, 256) if quick else (64, 4096)))
+    print(f"  decode step on the tiny model (batch {tiny['batch']} x {tiny['context']} ctx): "
+          f"{tiny['step_s'] * 1e3:.2f} ms, reading {tiny['kv_bytes'] / 1e6:.0f} MB of KV", flush=True)
     return so
 
 
@@ -413,11 +419,12 @@ def run(args) -> int:
                                                    vocab_hi, peak_ours, peak_req)
         decode = result["decode"] = decode_rows(llm, theirs, cnt, batches, ctx, n_out, args.decode_kv, device,
                                                 vocab_hi, bw)
-        so = result["step_overhead"] = step_overhead(llm)
+        so = result["step_overhead"] = step_overhead(llm, quick)
         # limits again after the workload; keep the best (other jobs share this machine)
         lim = limits.merge_best(lim, limits.measure(sorted({args.dtype, ours_dtype, base_dtype}), device, quick=quick))
         result["limits"] = lim
         roofline_fractions(prefill, decode, lim, ours_dtype, args.dtype)
+        so["tiny_model"]["limit_s"] = so["tiny_model"]["kv_bytes"] / (lim["copy"]["copy_GBps"] * 1e9)
         result["targets"] = targets(prefill, decode, lim, args.dtype, cuda) + step_targets(so, cuda)
         return finish_bench(result, render, args.json)
     finally:
@@ -524,14 +531,18 @@ def targets(prefill: list, decode: list, lim: dict, dtype: str, cuda: bool) -> l
 
 
 def step_targets(so: dict, cuda: bool) -> list[dict]:
-    """Issue 18's host-overhead targets (CPU figures; on CUDA the target is relative to a
-    decode step and is evaluated by the GPU check)."""
+    """Issue 18's host-overhead targets and issue 36's tiny-model decode step (CPU figures;
+    on CUDA the target is relative to a decode step and is evaluated by the GPU check)."""
     if cuda:
         return []
     rows = []
-    for name, v, goal in ((f"step metadata {so['batch']} seqs x {so['context']} ctx <= 1 ms", so["new_meta_s"], 1e-3),
-                          (f"no-op decode step batch {so['batch']} <= 2 ms (host time, sampling excluded)",
-                           so["new_host_s"], 2e-3)):
+    tiny = so.get("tiny_model")
+    checks = [(f"step metadata {so['batch']} seqs x {so['context']} ctx <= 1 ms", so["new_meta_s"], 1e-3),
+              (f"no-op decode step batch {so['batch']} <= 2 ms (host time, sampling excluded)", so["new_host_s"], 2e-3)]
+    if tiny:
+        checks.append((f"tiny-model decode step {tiny['batch']} seqs x {tiny['context']} ctx <= 10 ms",
+                       tiny["step_s"], 10e-3))
+    for name, v, goal in checks:
         rows.append({"target": name, "value": v * 1e3, "goal": goal * 1e3, "met": v <= goal})
     return rows
 
@@ -564,6 +575,13 @@ def render(result: dict) -> str:
                      f"(sample {so['sample_s'] * 1e3:.2f})",
                      f"before: {so['legacy_meta_s'] * 1e3:.2f} / {so['legacy_step_s'] * 1e3:.2f}",
                      f"{so['legacy_step_s'] / so['new_step_s']:.1f}x", "-", "-", "-"])
+        tiny = so.get("tiny_model")
+        if tiny:
+            lim_ms = f"{tiny['limit_s'] * 1e3:.2f} ms KV read" if tiny.get("limit_s") else "-"
+            rows.append([f"decode step, tiny model, {tiny['batch']} seq x {tiny['context']} ctx (ms)",
+                         f"{tiny['step_s'] * 1e3:.2f}", "-", "-",
+                         f"{100 * tiny['limit_s'] / tiny['step_s']:.0f}% of copy bw" if tiny.get("limit_s") else "-",
+                         lim_ms, f"{tiny['steps']} steps"])
     lim = result["limits"]
     lines.append("limits used: matmul peak " + ", ".join(f"{d} {v['flops'] / 1e9:,.1f} GFLOP/s"
                                                          for d, v in lim["matmul"].items())

@@ -6,11 +6,16 @@ run (what `tools/gpu_check.sh` prints on a GPU; on a CPU it runs vLLM's CPU buil
   token each, timed per length (median of ``--repeats``); the limit is the model's FLOPs
   at the measured matmul peak;
 - decode: ``--decode-batches`` sequences of ``--decode-context`` prompt tokens generating
-  ``--decode-tokens`` each (ignore_eos), timed from the first generated token's step on;
-  the limit is one read of the weights per step at the measured copy bandwidth.
+  ``--decode-tokens`` each (ignore_eos). The decode part is the call's wall time less that
+  of the same prompts generating one token (their prefill; prefix caching is off, so both
+  calls compute it), over the ``--decode-tokens`` - 1 steps after the first token: the
+  same subtraction on both sides, so neither depends on an engine's own timing metrics.
+  The limit is one read of the weights per step at the measured copy bandwidth.
 
 Both engines run in this process one after the other (vLLM's engine core in-process,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``), each with prefix caching off for the prefill cases.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with prefix caching off. vLLM's OpenMP threads are
+bound to every CPU of the process unless ``VLLM_CPU_OMP_THREADS_BIND`` is set (its default
+keeps a core for its scheduler; see dlbatch/bench/peers.py ``peer_env``).
 """
 from __future__ import annotations
 
@@ -45,15 +50,19 @@ def _ours(path, dtype, device, max_model_len, prefills, decode):
         sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
         sync(device)
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp)
+        llm.generate(prompts, sp)
         sync(device)
-        return time.perf_counter() - t0, [o.metrics.get("ttft_s") or 0.0 for o in outs]
+        return time.perf_counter() - t0
 
     return _measure(prefill, dec, prefills, decode)
 
 
 def _vllm(path, dtype, device, max_model_len, prefills, decode):
+    from dlbatch.bench.peers import peer_env
+
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
+        os.environ.setdefault(k, peer_env()[k])
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=path, dtype=dtype, max_model_len=max_model_len, enable_prefix_caching=False,
@@ -71,14 +80,9 @@ def _vllm(path, dtype, device, max_model_len, prefills, decode):
         sp = SamplingParams(max_tokens=tokens, ignore_eos=True, detokenize=False)
         sync(device)
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         sync(device)
-        wall = time.perf_counter() - t0
-        ttfts = []
-        for o in outs:
-            m = o.metrics
-            ttfts.append(getattr(m, "first_token_latency", 0.0) or 0.0 if m is not None else 0.0)
-        return wall, ttfts
+        return time.perf_counter() - t0
 
     return _measure(prefill, dec, prefills, decode)
 
@@ -90,9 +94,9 @@ def _measure(prefill, dec, prefills, decode) -> dict:
         out["prefill"][length] = statistics.median(prefill(p) for p in group)
     for batch, prompts in decode["by_batch"].items():
         dec(prompts[:1], 2)  # warm this batch size's path (graphs, compiled kernels) on other ids
-        wall, ttfts = dec(prompts, decode["tokens"])
-        # the decode part: the whole call less the batch's prefill (its slowest first token)
-        out["decode"][batch] = max(1e-9, wall - max(ttfts or [0.0]))
+        first = dec(prompts, 1)  # the prefill and the first token
+        # the decode part: the whole call less the same prompts' prefill
+        out["decode"][batch] = max(1e-9, dec(prompts, decode["tokens"]) - first)
     return out
 
 
@@ -124,9 +128,10 @@ def run(args) -> int:
         rows.append([f"prefill {n} tokens", f"{ours['prefill'][n] * 1e3:.1f} ms", f"{theirs['prefill'][n] * 1e3:.1f} ms",
                      f"{theirs['prefill'][n] / ours['prefill'][n]:.2f}x",
                      "-" if floor is None else f"{floor * 1e3:.1f} ms (matmul peak)"])
+    steps = max(1, args.decode_tokens - 1)
     for b in batches:
-        step_o = ours["decode"][b] / args.decode_tokens
-        step_t = theirs["decode"][b] / args.decode_tokens
+        step_o = ours["decode"][b] / steps
+        step_t = theirs["decode"][b] / steps
         floor = n_params * bytes_per / bw
         rows.append([f"decode batch {b}, per step", f"{step_o * 1e3:.2f} ms", f"{step_t * 1e3:.2f} ms",
                      f"{step_t / step_o:.2f}x", f"{floor * 1e3:.2f} ms (weights at copy bandwidth)"])

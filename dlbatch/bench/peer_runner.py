@@ -9,13 +9,13 @@ Protocol (JSON files, so nothing is unpickled):
   backend counts only if it really imports.
 - `python peer_runner.py REQUEST.json RESULT.json` reads {"backend", "model",
   "prompts": [[token ids]], "max_tokens", "threads", "max_model_len", "warmup":
-  [token ids]} and writes {"backend", "version", "outputs": [[token ids]], "load_s",
+  [token ids], "dtype" (optional: float32, the default, or bfloat16)} and writes {"backend", "version", "outputs": [[token ids]], "load_s",
   "warmup_s", "wall_s", "settings"} or {"backend", "error"}; greedy decoding, EOS
   ignored, exactly `max_tokens` new tokens per prompt. `wall_s` is the generation of all
   prompts after the model is loaded and one short warm-up prompt has run.
 
 vLLM: one `LLM.generate` call over every prompt (continuous batching, prefix caching on,
-dtype float32). llama.cpp: its Python API decodes one sequence at a time, so the prompts
+the request's dtype). llama.cpp: its Python API decodes one sequence at a time, so the prompts
 are run one after another in the given order; `Llama` keeps the previous prompt's KV and
 evaluates only the tokens after the longest common prefix, so the tasks of one paper,
 given consecutively, share the paper's prefill. That is how a user of llama-cpp-python
@@ -28,6 +28,7 @@ import sys
 import time
 
 BACKENDS = ("vllm", "llama_cpp")
+DTYPES = ("float32", "bfloat16")
 
 
 def detect() -> dict:
@@ -61,14 +62,17 @@ def check_request(req: dict) -> None:
             raise ValueError(f"{key} must be an integer >= 1, got {v!r}")
     if not isinstance(req.get("model"), str) or not req["model"]:
         raise ValueError(f"model must be a path, got {req.get('model')!r}")
+    if req.get("dtype", "float32") not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {req.get('dtype')!r}")
 
 
 def run_vllm(req: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
+    dtype = req.get("dtype", "float32")
     t0 = time.perf_counter()
-    llm = LLM(model=req["model"], dtype="float32", enable_prefix_caching=True, skip_tokenizer_init=True,
+    llm = LLM(model=req["model"], dtype=dtype, enable_prefix_caching=True, skip_tokenizer_init=True,
               max_model_len=req["max_model_len"], max_num_seqs=max(len(req["prompts"]), 1), seed=0)
     load_s = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True, detokenize=False)
@@ -84,7 +88,7 @@ def run_vllm(req: dict) -> dict:
     outputs = gen(req["prompts"])
     wall_s = time.perf_counter() - t0
     return {"version": vllm.__version__, "outputs": outputs, "load_s": load_s, "warmup_s": warmup_s,
-            "wall_s": wall_s, "settings": {"dtype": "float32", "enable_prefix_caching": True,
+            "wall_s": wall_s, "settings": {"dtype": dtype, "enable_prefix_caching": True,
                                            "max_num_seqs": max(len(req["prompts"]), 1), "calls": "one generate"}}
 
 

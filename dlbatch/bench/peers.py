@@ -7,24 +7,27 @@ the paper text first, then the task's instruction, through the model's chat temp
 the pipeline's own `PromptStage`, with `max_model_len` set so that the paper is cut
 (`long_inputs: truncate`) to at most `--papers-prefix-tokens` prompt tokens. The K
 prompts of a paper share the paper as prefix; no two prompts are equal. Every prompt
-gets exactly `--papers-max-tokens` new tokens, greedy, EOS ignored, fp32.
+gets exactly `--papers-max-tokens` new tokens, greedy, EOS ignored, in `--papers-dtype`
+(float32 by default: every side computes the same tokens; bfloat16 is what jobs ask for).
 
-Ours is `dlbatch.engine.LLM` (prefix caching on) with one `generate` over all prompts.
+Ours is `dlbatch.engine.LLM` (prefix caching on) with one `generate` over all prompts, in
+the requested dtype (it computes in what `dlbatch/engine/device.py` picks for the CPU).
 Each peer runs in its own virtualenv: `peer_runner.py` (standard library only at import)
 is executed by the peer's python, gets the same prompt token ids in a JSON file and
 writes its outputs and timings back as JSON. The backend is what that python can import:
 `vllm` (the weights exported once as an fp32 HF directory: the same dequantised weights
-our loader produced) or `llama_cpp` (an F32 GGUF written from the original GGUF with every
-tensor dequantised by the same code as our loader, so both compute on identical fp32
-weights). A missing or broken peer is reported as "skipped: <reason>".
+our loader produced, cast by vLLM to the requested dtype) or `llama_cpp` (an F32 GGUF
+written from the original GGUF with every tensor dequantised by the same code as our
+loader, so both compute on identical fp32 weights; it runs fp32 whatever is asked). A missing or broken peer is reported as "skipped: <reason>".
 
 Figures: wall seconds of the generation (model loading and one short warm-up prompt
 excluded on every side), output tokens/s, prompt+output tokens/s, ours/theirs speed
 ratio, and token agreement with ours (identical sequences; output tokens equal position
 by position). The physical limit is a lower bound on the workload's time from the
 machine's limits measured in the same run: the prefill FLOPs of each paper once plus
-each task's suffix at the fp32 matmul peak, plus, per decode step, every weight and the
-running sequences' KV read once at the measured copy bandwidth.
+each task's suffix at the fastest matmul peak measured (fp32 or the requested dtype), plus,
+per decode step, every weight and the running sequences' KV (as ours holds them) read
+once at the measured copy bandwidth.
 """
 from __future__ import annotations
 
@@ -56,6 +59,8 @@ def add_arguments(p) -> None:
     p.add_argument("--papers-prefix-tokens", type=int, default=2560,
                    help="cut each paper so that a task prompt has at most this many tokens")
     p.add_argument("--papers-max-tokens", type=int, default=64, help="new tokens per prompt (EOS ignored)")
+    p.add_argument("--papers-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype ours and vLLM are asked for (llama.cpp runs its F32 GGUF)")
     p.add_argument("--peer-timeout-s", type=int, default=1800, help="time limit of one peer run")
 
 
@@ -206,7 +211,7 @@ def _tail(s: str, n: int = 400) -> str:
 
 
 def run_peer(python: str, backend: str, model_path: str, prompts: list[list[int]], max_tokens: int,
-             max_model_len: int, warmup: list[int], timeout_s: int) -> dict:
+             max_model_len: int, warmup: list[int], timeout_s: int, dtype: str = "float32") -> dict:
     """One peer run through the JSON protocol of peer_runner.py; -> its result dict
     (with "error" when it failed)."""
     tmp = tempfile.mkdtemp(prefix="dlbatch-peer-")
@@ -214,7 +219,8 @@ def run_peer(python: str, backend: str, model_path: str, prompts: list[list[int]
         req_path, res_path = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
         with open(req_path, "w") as f:
             json.dump({"backend": backend, "model": model_path, "prompts": prompts, "max_tokens": max_tokens,
-                       "threads": os.cpu_count() or 1, "max_model_len": max_model_len, "warmup": warmup}, f)
+                       "threads": os.cpu_count() or 1, "max_model_len": max_model_len, "warmup": warmup,
+                       "dtype": dtype}, f)
         try:
             p = subprocess.run([python, RUNNER, req_path, res_path], capture_output=True, text=True,
                                timeout=timeout_s, env=peer_env())
@@ -273,7 +279,7 @@ PEER_NAMES = {"vllm": "vLLM-CPU", "llama_cpp": "llama.cpp"}
 
 
 def run_peers(pythons: list[str], model: str, prompts: list[list[int]], max_tokens: int, max_model_len: int,
-              warmup: list[int], timeout_s: int, ours_out: list[list[int]]) -> list[dict]:
+              warmup: list[int], timeout_s: int, ours_out: list[list[int]], dtype: str = "float32") -> list[dict]:
     """One column per (peer python, backend it can import); skipped columns say why."""
     cols = []
     for py in pythons:
@@ -291,7 +297,7 @@ def run_peers(pythons: list[str], model: str, prompts: list[list[int]], max_toke
                 cols.append(col)
                 continue
             print(f"peer {PEER_NAMES[b]} ({py}) on {col['model']} ...", flush=True)
-            res = run_peer(py, b, col["model"], prompts, max_tokens, max_model_len, warmup, timeout_s)
+            res = run_peer(py, b, col["model"], prompts, max_tokens, max_model_len, warmup, timeout_s, dtype)
             if res.get("error"):
                 col["skipped"] = res["error"]
             else:
@@ -306,14 +312,14 @@ def run_peers(pythons: list[str], model: str, prompts: list[list[int]], max_toke
 
 # ---------------------------------------------------------------------------- ours, limit
 def run_ours(model: str, prompts: list[list[int]], max_tokens: int, max_model_len: int, warmup: list[int],
-             threads: int | None) -> tuple[dict, dict]:
+             threads: int | None, dtype: str = "float32") -> tuple[dict, dict]:
     """-> (our column, model counts for the limit)."""
     from dlbatch.bench.roofline import model_counts
     from dlbatch.engine.llm import LLM
     from dlbatch.engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model, dtype="float32", max_model_len=max_model_len, chat=False, enable_prefix_caching=True,
+    llm = LLM(model, dtype=dtype, max_model_len=max_model_len, chat=False, enable_prefix_caching=True,
               max_num_seqs=max(64, len(prompts)), num_threads=threads)
     load_s = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -329,9 +335,11 @@ def run_ours(model: str, prompts: list[list[int]], max_tokens: int, max_model_le
     col = {"name": "ours", "version": "dlbatch.engine.LLM", "load_s": load_s, "warmup_s": warmup_s,
            "wall_s": wall_s, "outputs": [list(o.token_ids) for o in outs],
            "decode_step_s": statistics.median(steps) if steps else None, "decode_steps": len(steps),
-           "cached_tokens": sum(o.cached_tokens for o in outs), "weights": "fp32 (dequantised at load)",
+           "cached_tokens": sum(o.cached_tokens for o in outs),
+           "weights": f"dequantised at load, {dtype} asked, computes in {llm.engine.compute_dtype}",
            "kv_cache_bytes_prefaulted": kv_bytes,
-           "settings": {"ops": llm.engine.ops.describe(), "kv_cache_dtype": str(llm.engine.runner.kv_cache.dtype)}}
+           "settings": {"ops": llm.engine.ops.describe(), "kv_cache_dtype": str(llm.engine.runner.kv_cache.dtype),
+                        "compute_dtype": llm.engine.compute_dtype}}
     return col, model_counts(llm)
 
 
@@ -360,12 +368,13 @@ def _generate_timing_decode(llm, prompts: list[list[int]], sp) -> tuple[list, li
 
 def lower_bound(cnt: dict, prompts: list[list[int]], max_tokens: int, lim: dict) -> dict:
     """Seconds the workload needs at least on this machine: each prompt's tokens after
-    the longest prefix shared with an earlier prompt computed once (FLOPs at the fp32
-    matmul peak), then `max_tokens - 1` decode steps of all sequences, each step bounded by
-    reading every weight and every sequence's KV once (copy bandwidth) or by its FLOPs."""
+    the longest prefix shared with an earlier prompt computed once (FLOPs at the fastest
+    matmul peak measured: fp32 or a half-precision dtype), then `max_tokens - 1` decode
+    steps of all sequences, each step bounded by reading every weight and every
+    sequence's KV once (copy bandwidth) or by its FLOPs."""
     from dlbatch.bench.roofline import decode_bytes
 
-    peak = lim["matmul"]["float32"]["flops"]
+    peak_dtype, peak = max(((d, v["flops"]) for d, v in lim["matmul"].items()), key=lambda x: x[1])
     bw = lim["copy"]["copy_GBps"] * 1e9
     attn = 4.0 * cnt["layers"] * cnt["heads"] * cnt["head_dim"]
     flops = 0.0
@@ -380,7 +389,8 @@ def lower_bound(cnt: dict, prompts: list[list[int]], max_tokens: int, lim: dict)
     step_s = max(decode_bytes(cnt, b, ctx) / bw, 2.0 * (cnt["linear_params"] + cnt["lm_head_params"]) * b / peak)
     steps = max_tokens - 1  # the first new token comes out of the prefill
     return {"prefill_s": prefill_s, "decode_s": steps * step_s, "total_s": prefill_s + steps * step_s,
-            "prefill_flops": flops, "decode_step_s": step_s, "peak_flops": peak, "copy_GBps": bw / 1e9}
+            "prefill_flops": flops, "decode_step_s": step_s, "peak_flops": peak, "peak_dtype": peak_dtype,
+            "copy_GBps": bw / 1e9}
 
 
 # ---------------------------------------------------------------------------- the bench
@@ -400,19 +410,22 @@ def run_papers(args) -> int:
     mml = max(len(p) for p in prompts) + n_new + 16
     warmup = list(range(1000, 1032))
     shared = shared_prefixes(reqs)
+    dtype = args.papers_dtype
     print(f"dlbatch bench engine --papers: {len(shared)} papers x {len(reqs) // len(shared)} tasks = {len(reqs)} "
-          f"prompts, {sum(map(len, prompts))} prompt tokens, {n_new} new tokens each, greedy fp32, EOS ignored",
+          f"prompts, {sum(map(len, prompts))} prompt tokens, {n_new} new tokens each, greedy {dtype}, EOS ignored",
           flush=True)
     result: dict = {"bench": "engine-papers", "args": dict(vars(args)), "machine": machine_info("cpu"),
                     "workload": {"job": args.papers_job, "prefix_tokens": prefix, "max_tokens": n_new,
+                                 "dtype": dtype,
                                  "prompts": [{"paper": r["paper"], "task": r["task"], "tokens": len(r["ids"])}
                                              for r in reqs], "shared_prefix": shared}}
-    lim = limits.measure(["float32"], "cpu", quick=quick)
-    ours, cnt = run_ours(args.model, prompts, n_new, mml, warmup, args.threads)
+    dtypes = sorted({"float32", dtype})
+    lim = limits.measure(dtypes, "cpu", quick=quick)
+    ours, cnt = run_ours(args.model, prompts, n_new, mml, warmup, args.threads, dtype)
     print(f"  ours: {ours['wall_s']:.1f}s", flush=True)
     result["peers"] = run_peers(args.peer_python, args.model, prompts, n_new, mml, warmup, args.peer_timeout_s,
-                                ours["outputs"])
-    result["limits"] = limits.merge_best(lim, limits.measure(["float32"], "cpu", quick=quick))
+                                ours["outputs"], dtype)
+    result["limits"] = limits.merge_best(lim, limits.measure(dtypes, "cpu", quick=quick))
     result["lower_bound"] = lower_bound(cnt, prompts, n_new, result["limits"])
     result["ours"] = ours
     summarize(result)
@@ -445,7 +458,7 @@ def render_papers(result: dict) -> str:
     lines = [f"paper workload: {len(w['shared_prefix'])} papers x {len(lens) // len(w['shared_prefix'])} tasks, "
              f"prompt tokens {lens[0]}-{lens[-1]} (median {lens[len(lens) // 2]}), shared prefix per paper "
              f"{min(w['shared_prefix'].values())}-{max(w['shared_prefix'].values())} tokens, {w['max_tokens']} new "
-             f"tokens each; greedy, fp32, EOS ignored; load average {m.get('loadavg_1m', 0):.1f} on "
+             f"tokens each; greedy, {w.get('dtype', 'float32')}, EOS ignored; load average {m.get('loadavg_1m', 0):.1f} on "
              f"{m.get('cpu_count')} CPUs ({m.get('cpu', '?')})"]
     rows = []
     for c in [result["ours"]] + result["peers"]:
@@ -461,7 +474,8 @@ def render_papers(result: dict) -> str:
     lines.append(table(["engine", "weights", "wall s", "out tok/s", "all tok/s", "ours/theirs", "same as ours"],
                         rows))
     lines.append(f"lower bound on this machine: {lb['total_s']:.1f}s (prefill {lb['prefill_flops'] / 1e9:.0f} GFLOP "
-                 f"at {lb['peak_flops'] / 1e9:.1f} GFLOP/s fp32 = {lb['prefill_s']:.1f}s; decode "
+                 f"at {lb['peak_flops'] / 1e9:.1f} GFLOP/s {lb.get('peak_dtype', 'float32')} = {lb['prefill_s']:.1f}s; "
+                 f"decode "
                  f"{w['max_tokens'] - 1} steps x {1e3 * lb['decode_step_s']:.0f} ms at "
                  f"{lim['copy']['copy_GBps']:.1f} GB/s copy = {lb['decode_s']:.1f}s); ours at "
                  f"{100 * result['ours_frac_of_lower_bound']:.0f}% of it")

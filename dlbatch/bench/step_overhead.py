@@ -7,6 +7,11 @@
   postprocess, the engine loop of `LLMEngine.step`, median over steps while every
   sequence grows by one token per step (so block tables gain blocks as in a real run).
 
+A third figure is a real decode step on the tiny random model (`tiny_model_step`): 2
+layers of hidden size 64, so its compute is negligible and the step is the engine's host
+work plus reading every sequence's KV once, held against that read at the measured copy
+bandwidth.
+
 The step's host time is also given without sampling (`new_host_s`: the step minus the
 median of `sample` alone), since the argmax over the logits is device work on an
 accelerator and reads batch x vocab floats. Both are timed for the current code and for the previous implementation of `prepare`
@@ -166,3 +171,28 @@ def measure(model, mconf, batch: int = 64, context: int = 4096, steps: int = 40)
     res["sample_s"] = median(tsample)
     res["new_host_s"] = res["new_step_s"] - res["sample_s"]
     return res
+
+
+def tiny_model_step(batch: int = 64, context: int = 4096, steps: int = 12) -> dict:
+    """Median decode step of `batch` sequences with `context` tokens of (random) KV each on the
+    tiny random model (dlbatch/bench/tiny_model.py, float32, its KV cache written before
+    timing), and the KV bytes one step reads (the limit is their read at the copy bandwidth,
+    as the decode rows of the engine bench count it)."""
+    import os
+    import tempfile
+
+    from dlbatch.bench.engine import ours_decode
+    from dlbatch.bench.tiny_model import SHAPE, make_tiny_model
+    from dlbatch.engine.llm import LLM
+
+    block = 16
+    mml = context + steps + 2 * block
+    with tempfile.TemporaryDirectory(prefix="dlbatch-tiny-") as tmp:
+        path = make_tiny_model(os.path.join(tmp, "m"), max_position_embeddings=max(SHAPE["max_position_embeddings"], mml))
+        llm = LLM(path, dtype="float32", max_model_len=mml, chat=False, max_num_seqs=batch, block_size=block,
+                  num_kv_blocks=batch * (-(-mml // block)) + 8, enable_prefix_caching=False)
+        llm.engine.runner.prefault_kv_cache()
+        r = ours_decode(llm, batch, context, steps, "random", seed=7, vocab_hi=SHAPE["vocab_size"] - 1)
+        kv_token = llm.engine.runner.bytes_per_block(llm.engine.mconf, 1, llm.engine.kv_dtype)
+    kv_bytes = batch * (context + steps / 2) * kv_token
+    return {"batch": batch, "context": context, "step_s": r["step_s"], "steps": r["steps"], "kv_bytes": kv_bytes}

@@ -1,7 +1,30 @@
-"""What the device can compute fast: on CPUs without native bf16/fp16 matrix instructions
-(AVX512-BF16, AMX, AVX512-FP16) torch emulates half-precision matmuls, several times
-slower than fp32 (figures per CPU kind: docs/benchmarks.md). There the engine stores and
-computes in fp32 and says so; ``allow_upcast=False`` keeps the requested dtype."""
+"""What the device computes fast. On a CPU the engine computes a half-precision request
+(``model.dtype: bfloat16`` or ``float16``) in the dtype that is fastest on that CPU kind,
+chosen from the CPU's flags at run time by a table of measured figures (``CPU_KINDS``
+below; the figures, on 2 vCPUs with torch 2.13: docs/benchmarks.md, "Which dtype the
+engine computes in, per CPU kind"). The first kind whose flag the CPU has applies:
+
+- ``amx`` (``amx_bf16``): bf16 stays bf16 (AMX: bf16 matmul 2,098 GFLOP/s against 354 in
+  fp32; the paper workload 11.8 s against 25.8 s).
+- ``avx512_bf16`` (AVX-512 + AVX512_BF16, no AMX): fp32. ``vdpbf16ps`` does as many
+  multiply-adds per cycle as the two fp32 FMA ports, and every bf16 op converts on the
+  way: a model's layer linears at 24 to 2,048 rows (decode batches of a batch job, prefill
+  chunks) run at 122-156 GFLOP/s in bf16 against 181-264 in fp32; a 2K-token prefill 430
+  tokens/s in bf16 against 865 in fp32; the paper workload 42.4 s against 30.3 s. bf16
+  is faster only at one row (level at eight) through oneDNN's packed bf16 path (a step
+  there reads the weights, and bf16 reads half the bytes), which the engine does not take.
+- ``avx2`` and anything else: fp32 (torch emulates bf16: 1.1-1.3 GFLOP/s against 91.5).
+
+fp16 stays fp16 only with AMX-FP16 (``amx_fp16``): AVX512-FP16 matmuls run at the fp32
+rate inside oneDNN (374-398 GFLOP/s) while the engine's fp16 elementwise ops are torch's
+unfused ones (a 2K-token prefill: 221 tokens/s against 865 in fp32, on the avx512_bf16
+kind, whose AVX512-FP16 is the one AMX-BF16 CPUs have).
+
+An upcast needs the float32 weights to fit (``compute_dtype``'s memory check); the KV
+cache follows the compute dtype unless ``kv_cache_dtype`` says otherwise (on the
+avx512_bf16 kind a bf16 cache under fp32 compute saves ~9 ms of a ~150 ms paper-workload
+decode step, within that workload's run-to-run spread). An upcast is logged;
+``allow_upcast=False`` keeps the requested dtype."""
 from __future__ import annotations
 
 import ctypes
@@ -25,22 +48,59 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_native_half(dtype_name: str) -> bool:
-    flags = cpu_flags()
-    if dtype_name == "bfloat16":
-        return bool({"avx512_bf16", "amx_bf16"} & flags)
-    if dtype_name == "float16":
-        return bool({"avx512_fp16", "amx_fp16"} & flags)
-    return True
+# (kind, the flag that defines it, {requested half dtype: the dtype computed; fp32 if absent}),
+# most capable first; the first kind whose flag the CPU has applies (the module docstring)
+CPU_KINDS = (
+    ("amx", "amx_bf16", {"bfloat16": "bfloat16"}),
+    ("avx512_bf16", "avx512_bf16", {}),
+    ("avx2", "avx2", {}),
+)
+FP16_FLAG = "amx_fp16"  # fp16 is kept only where AMX multiplies it
 
 
-def compute_dtype(dtype_name: str, device_type: str, allow_upcast: bool = True) -> str:
-    """The dtype the engine actually runs in for a requested `dtype_name`."""
-    if device_type == "cpu" and allow_upcast and not cpu_native_half(dtype_name):
-        log.info("CPU has no native %s matmul: computing in float32 (faster here, and at least as exact)",
-                 dtype_name)
+def cpu_kind(flags: frozenset[str] | None = None) -> str:
+    """The CPU kind of the table above for ``flags`` (this machine's when None): ``amx``,
+    ``avx512_bf16``, ``avx2`` or ``other``."""
+    flags = cpu_flags() if flags is None else flags
+    return next((kind for kind, flag, _ in CPU_KINDS if flag in flags), "other")
+
+
+def cpu_compute_dtype(dtype_name: str, flags: frozenset[str] | None = None) -> str:
+    """The dtype a CPU with ``flags`` (this machine's when None) computes a ``dtype_name``
+    model in fastest: float32 stays float32; a half dtype stays only where the table says."""
+    if dtype_name == "float32":
         return "float32"
-    return dtype_name
+    flags = cpu_flags() if flags is None else flags
+    if dtype_name == "float16":
+        return "float16" if FP16_FLAG in flags else "float32"
+    kind = cpu_kind(flags)
+    table = next((t for k, _, t in CPU_KINDS if k == kind), {})
+    return table.get(dtype_name, "float32")
+
+
+UPCAST_MEMORY_SHARE = 0.5  # an upcast model's float32 weights may take at most this share of the free memory
+
+
+def compute_dtype(dtype_name: str, device_type: str, allow_upcast: bool = True, params: int | None = None,
+                  available: int | None = None) -> str:
+    """The dtype the engine actually runs in for a requested `dtype_name`. With ``params``
+    (the model's parameter count) and ``available`` (free host bytes), an upcast to float32
+    happens only when the float32 weights take at most UPCAST_MEMORY_SHARE of the free
+    memory: a half-precision model that fits only in half precision runs as asked (slower
+    on these CPUs, but it runs)."""
+    if device_type != "cpu" or not allow_upcast:
+        return dtype_name
+    chosen = cpu_compute_dtype(dtype_name)
+    if chosen == dtype_name:
+        return chosen
+    if params is not None and available is not None and 4 * params > UPCAST_MEMORY_SHARE * available:
+        log.info("CPU kind %s: %s matmuls are slower than float32 here, but %.1f GiB of float32 weights would "
+                 "take more than %.0f%% of the %.1f GiB free: computing in %s", cpu_kind(), dtype_name,
+                 4 * params / 2**30, 100 * UPCAST_MEMORY_SHARE, available / 2**30, dtype_name)
+        return dtype_name
+    log.info("CPU kind %s: %s matmuls are slower than float32 here (dlbatch/engine/device.py, "
+             "docs/benchmarks.md): computing in float32", cpu_kind(), dtype_name)
+    return chosen
 
 
 # glibc malloc settings for an engine on the CPU (keep_freed_memory)

@@ -50,7 +50,9 @@ class LLMEngine:
 
         if device.type == "cpu":
             keep_freed_memory()
-        self.compute_dtype = compute_dtype(config.dtype, device.type, allow_upcast=config.allow_upcast)
+        params = sum(t.numel() for t in loaded.weights.values() if isinstance(t, torch.Tensor))
+        self.compute_dtype = compute_dtype(config.dtype, device.type, allow_upcast=config.allow_upcast, params=params,
+                                           available=_host_available_bytes() if device.type == "cpu" else None)
         dtype = torch_dtype(self.compute_dtype)
         mem_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.ops = get_ops(device, op_overrides)

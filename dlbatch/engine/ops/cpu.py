@@ -30,12 +30,18 @@ place, into q and k (views of the QKV projection's output), as the CUDA kernels 
 the kernel does not take (a dtype it has no path for, rows not contiguous) go to the
 reference.
 
-prefill_attention: a chunk whose context starts in the cache (chunked prefill, prefix
-hit) needs a causal mask offset by the cached length, which SDPA only takes as an explicit
-mask: then it computes every (query, key) pair, twice the work of the causal square, and
-builds the mask. Here a long chunk is two SDPA calls, the chunk against the cached keys (no
-mask) and against its own keys (``is_causal``), merged by their log-sum-exps. Short chunks
-(a prefix hit's task suffix) and sliding windows keep the reference path.
+prefill_attention: float32 queries on a CPU with AVX-512 go to the C kernel
+(``_prefill_attn.c``): one call per layer for every chunk of the step, each token over its
+sequence's keys read from the paged cache, flash style, with the grouped query heads of a
+KV head sharing each key row; a chunk over a cached prefix costs only its own rows' work,
+and a row's result does not depend on how its sequence was chunked. Elsewhere (bf16 on AMX,
+AVX2, head sizes it does not take) torch's SDPA: a chunk whose context starts in the cache
+(chunked prefill, prefix hit) needs a causal mask offset by the cached length, which SDPA
+only takes as an explicit mask: then it computes every (query, key) pair, twice the work of
+the causal square, and builds the mask. So a long chunk is two SDPA calls, the chunk
+against the cached keys (no mask) and against its own keys (``is_causal``), merged by their
+log-sum-exps. Short chunks (a prefix hit's task suffix) and sliding windows keep the
+reference path.
 """
 from __future__ import annotations
 
@@ -118,6 +124,11 @@ SPLIT_MIN_TOKENS = 256  # chunks shorter than this gain nothing from the split (
 
 @register_op("prefill_attention", "cpu")
 def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+    if getattr(meta, "use_native", True) and getattr(meta, "prefill_cu_q", None) is not None:
+        out = native.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q,
+                                       meta.prefill_ctx, meta.sliding_window)
+        if out is not None:
+            return out
     out = torch.empty_like(q)
     hk, d = k_cache.shape[-2:]
     kc = k_cache.view(-1, hk, d)

@@ -1,4 +1,5 @@
-"""CPU ops backed by small C kernels (``_paged_attn.c``, ``_argmax.c``, ``_fused.c``), compiled on first use by
+"""CPU ops backed by small C kernels (``_paged_attn.c``, ``_prefill_attn.c``, ``_argmax.c``, ``_fused.c``), compiled
+on first use by
 :mod:`dlbatch.cbuild`. Unavailable (no compiler, ``DLBATCH_NATIVE=0``, a shape or dtype
 it does not take) -> ``None`` and the caller uses its torch path."""
 from __future__ import annotations
@@ -43,6 +44,17 @@ def bind_decode(L):
     L.dl_paged_decode.argtypes = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I, _I]
     L.dl_paged_decode_width.restype = _I  # floats per vector used for a head size (8, or 16 with AVX-512)
     L.dl_paged_decode_width.argtypes = [_I]
+    return L
+
+
+def bind_prefill(L):
+    """Declare dl_prefill_attn's C signature on a loaded library; returns it."""
+    L64 = ctypes.c_int64
+    L.dl_prefill_attn.restype = _I
+    L.dl_prefill_attn.argtypes = [_P, L64, L64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float,
+                                  _I, _I]
+    L.dl_prefill_attn_width.restype = _I  # 16 for head sizes it takes (AVX-512 + OpenMP builds), else 0
+    L.dl_prefill_attn_width.argtypes = [_I]
     return L
 
 
@@ -92,6 +104,7 @@ class Kernel:
 
 
 DECODE = Kernel("_paged_attn.c", bind_decode, "native CPU paged attention")
+PREFILL = Kernel("_prefill_attn.c", bind_prefill, "native CPU prefill attention")
 ARGMAX = Kernel("_argmax.c", bind_argmax, "native CPU argmax")
 FUSED = Kernel("_fused.c", bind_fused, "native CPU fused elementwise ops")
 
@@ -131,6 +144,46 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return None
     if rc != 0:
         raise MemoryError("native paged attention could not allocate its work buffers or threads")
+    return out
+
+
+def prefill_available(head_dim: int) -> bool:
+    """Whether prefill_attention's kernel runs here for this head size: built for AVX-512
+    with OpenMP (elsewhere torch's SDPA stays, measured or not: docs/benchmarks.md)."""
+    L = PREFILL.get()
+    return L is not None and L.dl_prefill_attn_width(head_dim) > 0
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      cu_q: torch.Tensor, ctx: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
+    """Causal attention of every prefill chunk of a step over its sequence's keys in the
+    paged cache (the chunk's own keys stored there first). q (T, Hq, D) float32 with
+    contiguous rows (a view of the QKV projection is fine); caches (blocks, block_size,
+    Hkv, D) contiguous, float32, float16 or bfloat16; block_tables (P, nb) int64; cu_q
+    (P + 1,) chunk boundaries in q; ctx (P,) cached tokens before each chunk. Returns
+    (T, Hq, D) float32, or None when the kernel cannot take these inputs."""
+    L = PREFILL.get()
+    kind = KV_KINDS.get(k_cache.dtype)
+    if (L is None or kind is None or q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3
+            or q.stride(2) != 1 or v_cache.dtype != k_cache.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return None
+    t, hq, d = q.shape
+    bs, hk = k_cache.shape[1], k_cache.shape[2]
+    if L.dl_prefill_attn_width(d) == 0 or tuple(k_cache.shape[-2:]) != (hk, d):
+        return None
+    bt = block_tables.to(torch.int64)
+    bt = bt if bt.stride(1) == 1 else bt.contiguous()
+    cu = cu_q.to(torch.int64).contiguous()
+    cx = ctx.to(torch.int64).contiguous()
+    out = torch.empty((t, hq, d), dtype=torch.float32)
+    rc = L.dl_prefill_attn(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                           out.data_ptr(), bt.data_ptr(), bt.stride(0), cu.data_ptr(), cx.data_ptr(), cx.numel(), bs,
+                           int(window or 0), hq, hk, d, float(d) ** -0.5, kind, torch.get_num_threads())
+    if rc == -2:
+        return None
+    if rc != 0:
+        raise MemoryError("native prefill attention could not allocate its work buffers")
     return out
 
 
