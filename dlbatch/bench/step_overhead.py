@@ -173,15 +173,15 @@ def measure(model, mconf, batch: int = 64, context: int = 4096, steps: int = 40)
     return res
 
 
-def tiny_model_step(batch: int = 64, context: int = 4096, steps: int = 12) -> dict:
+def tiny_model_step(batch: int = 64, context: int = 4096, steps: int = 12, *, decode) -> dict:
     """Median decode step of `batch` sequences with `context` tokens of (random) KV each on the
     tiny random model (dlbatch/bench/tiny_model.py, float32, its KV cache written before
     timing), and the KV bytes one step reads (the limit is their read at the copy bandwidth,
-    as the decode rows of the engine bench count it)."""
+    as the decode rows of the engine bench count it). ``decode``: the engine bench's decode
+    timing (`dlbatch.bench.engine.ours_decode`)."""
     import os
     import tempfile
 
-    from dlbatch.bench.engine import ours_decode
     from dlbatch.bench.tiny_model import SHAPE, make_tiny_model
     from dlbatch.engine.llm import LLM
 
@@ -192,7 +192,7 @@ def tiny_model_step(batch: int = 64, context: int = 4096, steps: int = 12) -> di
         llm = LLM(path, dtype="float32", max_model_len=mml, chat=False, max_num_seqs=batch, block_size=block,
                   num_kv_blocks=batch * (-(-mml // block)) + 8, enable_prefix_caching=False)
         llm.engine.runner.prefault_kv_cache()
-        r = ours_decode(llm, batch, context, steps, "random", seed=7, vocab_hi=SHAPE["vocab_size"] - 1)
+        r = decode(llm, batch, context, steps, "random", seed=7, vocab_hi=SHAPE["vocab_size"] - 1)
         kv_token = llm.engine.runner.bytes_per_block(llm.engine.mconf, 1, llm.engine.kv_dtype)
     kv_bytes = batch * (context + steps / 2) * kv_token
     return {"batch": batch, "context": context, "step_s": r["step_s"], "steps": r["steps"], "kv_bytes": kv_bytes}

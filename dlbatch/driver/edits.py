@@ -1,7 +1,8 @@
-"""Edited rows of table inputs: which committed documents an input file no longer holds as
-they were, so their rows are superseded before a rerun reads anything as done.
+"""Inputs that changed since their rows were committed, and edited rows of table inputs: which
+committed documents an input no longer holds as they were, so their rows are superseded before
+a rerun reads anything as done (`supersede_changed`, called by `JobRunner` once per run).
 
-A PDF or text file is its document: a changed file is replaced whole (`JobRunner`). A JSONL,
+A PDF or text file is its document: a changed file is replaced whole. A JSONL,
 Parquet or ``hf`` file holds many documents and is appended to, so a changed file is read
 again here, in the driver, before the stream starts: each row's id and version
 (`dlbatch.prompts.doc_identity.DocIdentity`, the rule the prompt stage applies). A committed
@@ -22,7 +23,53 @@ comparison, never skip it.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable
+
+log = logging.getLogger("dlbatch.run")
+
+
+def supersede_changed(store, spec, files: list[str], report, preprocess=None) -> tuple[list[str], str, bool]:
+    """-> (the inputs this run reads, the digest of their versions, whether each is one
+    document). Inputs whose version changed since their rows were committed lose those rows
+    first: a one-document file whole, a table file its edited documents (`supersede_edited`).
+    Then the inputs' versions are recorded (after the rows went: a crash between redoes the
+    comparison). ``report``: `RunReport` (inputs_replaced, rows_edited, the start-up phase)."""
+    from connectors.formats import input_format
+    from connectors.versions import input_versions, versions_digest
+
+    by_file = input_format(spec.input.format).one_doc_per_file  # a source is done when its document is
+    if spec.input.limit is not None and by_file:
+        files = files[:spec.input.limit]
+    report.startup.start("input_versions")
+    recorded = store.files.read_sources()
+    versions = input_versions(files, dict(spec.input.storage_options), cache=recorded)
+    report.startup.end("input_versions")
+    changed = sorted(f for f, (_, v) in versions.items() if f in recorded and recorded[f][1] != v)
+    replaced = changed if by_file else []
+    if replaced:
+        n = store.supersede(set(replaced))
+        log.warning("%d inputs changed since their rows were committed (%s); %d old rows removed, redoing them",
+                    len(replaced), ", ".join(replaced[:5]), n)
+    report.inputs_replaced = replaced
+    report.rows_edited = 0 if by_file else supersede_edited(store, spec, changed, preprocess)
+    if versions != recorded:
+        store.files.write_sources({**{s: r for s, r in recorded.items() if s not in versions}, **versions})
+    return files, versions_digest(versions, spec.input.limit), by_file
+
+
+def supersede_edited(store, spec, changed: list[str], preprocess=None) -> int:
+    """The rows of the stale documents of the table inputs ``changed`` go, so the stream redoes
+    those still there. Returns the documents superseded."""
+    from dlbatch.prompts.doc_identity import DocIdentity
+
+    stale = stale_documents(store, spec, DocIdentity.for_job(spec, preprocess), changed)
+    ids = set().union(*stale.values()) if stale else set()
+    if ids:
+        n = store.supersede(set(stale), ids)
+        log.warning("%d rows of %s changed since their results were committed; %d old rows removed, redoing them",
+                    len(ids), ", ".join(sorted(stale)[:5]), n)
+    return len(ids)
 
 
 def current_versions(spec, identity, url: str) -> tuple[dict[str, str], set[str]]:

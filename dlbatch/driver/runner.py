@@ -110,7 +110,9 @@ class JobRunner:
         report = RunReport(spec, self.plan, t_start)
         report.startup.span("checks", t_start, self._t_checked)  # the configuration, inputs listed, fields read
         listed = set(files)
-        files, sig, by_file = self._versions(store, files, report)
+        from dlbatch.driver.edits import supersede_changed
+
+        files, sig, by_file = supersede_changed(store, spec, files, report, getattr(self.pipeline, "preprocess", None))
         task_names = {t.name for t in spec.tasks}
         if manifest and not (manifest.get("complete") and manifest.get("inputs") == sig):  # a resume
             n = store.retry_dead_letters(set(RETRIED_ON_RESUME))
@@ -185,51 +187,6 @@ class JobRunner:
         out = out.finish(store, retries={"worker": out.retries, "io": retry_count() - io_retries_start})
         store.files.write_json("_manifest.json", {**(store.files.read_json("_manifest.json") or {}), "complete": True})
         return out
-
-    def _versions(self, store, files: list[str], report) -> tuple[list[str], str, bool]:
-        """-> (the inputs this run reads, the digest of their versions, whether each is one
-        document). Inputs that changed since their rows were committed lose those rows before
-        anything is read as done, then are redone: a one-document file (pdf, text) is its
-        document, replaced whole; a table file keeps row identity (appended rows are new
-        documents, committed ones stay) and loses the rows of its edited documents
-        (`_supersede_edited`). Then the inputs' versions are recorded."""
-        from connectors.formats import input_format
-        from connectors.versions import input_versions, versions_digest
-
-        spec = self.spec
-        by_file = input_format(spec.input.format).one_doc_per_file  # a source is done when its document is
-        if spec.input.limit is not None and by_file:
-            files = files[:spec.input.limit]
-        report.startup.start("input_versions")
-        recorded = store.files.read_sources()
-        versions = input_versions(files, dict(spec.input.storage_options), cache=recorded)
-        report.startup.end("input_versions")
-        changed = sorted(f for f, (_, v) in versions.items() if f in recorded and recorded[f][1] != v)
-        replaced = changed if by_file else []
-        if replaced:
-            n = store.supersede(set(replaced))
-            log.warning("%d inputs changed since their rows were committed (%s); %d old rows removed, redoing them",
-                        len(replaced), ", ".join(replaced[:5]), n)
-        report.inputs_replaced = replaced
-        report.rows_edited = 0 if by_file else self._supersede_edited(store, changed)
-        if versions != recorded:
-            store.files.write_sources({**{s: r for s, r in recorded.items() if s not in versions}, **versions})
-        return files, versions_digest(versions, spec.input.limit), by_file
-
-    def _supersede_edited(self, store, changed: list[str]) -> int:
-        """Edited rows of the table inputs in ``changed`` (dlbatch/driver/edits.py): their
-        documents' rows go, so the stream redoes them. Returns the documents superseded."""
-        from dlbatch.driver.edits import stale_documents
-        from dlbatch.prompts.doc_identity import DocIdentity
-
-        identity = DocIdentity.for_job(self.spec, getattr(self.pipeline, "preprocess", None))
-        stale = stale_documents(store, self.spec, identity, changed)
-        ids = set().union(*stale.values()) if stale else set()
-        if ids:
-            n = store.supersede(set(stale), ids)
-            log.warning("%d rows of %s changed since their results were committed; %d old rows removed, redoing them",
-                        len(ids), ", ".join(sorted(stale)[:5]), n)
-        return len(ids)
 
     def _writer(self, store, content: dict):
         """-> (the store this run commits with, the output's manifest). The store is

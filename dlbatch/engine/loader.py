@@ -263,15 +263,10 @@ def _load_gguf(name: str, fs, p: str) -> LoadedModel:
 
 
 def _convert_gguf(name: str, fs, p: str, cache_dir: str) -> None:
-    import shutil
-    import tempfile
-
-    import numpy as np
-    import torch
+    """The GGUF file ``p`` as a Hugging Face folder in ``cache_dir``: its config and tokenizer
+    from the header (refused before dequantizing when it is not a model we run), its tensors
+    dequantized to float32 safetensors under the HF names."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    from dlbatch.engine.gguf_quants import dequantize as fast_dequantize
 
     path = _local_copy(fs, p)
     try:
@@ -284,26 +279,31 @@ def _convert_gguf(name: str, fs, p: str, cache_dir: str) -> None:
         raise ModelConfigError(
             f"{name}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCHS)}"
         )
+    tokenizer = tokenizer_from_gguf(meta, name)
+    tensors = {t.name: t for t in reader.tensors}
+    hf_cfg = _gguf_hf_config(meta, arch, tensors, tokenizer)
+    ModelConfig.from_hf(hf_cfg, source=name)  # refuses a GGUF whose header is not a model we run, before dequantizing
+    weights = _gguf_weights(tensors, unpermute=arch in ("llama", "mistral"), n_head=hf_cfg["num_attention_heads"],
+                            n_kv=hf_cfg["num_key_value_heads"])
+    _write_hf_folder(cache_dir, hf_cfg, tokenizer, weights, source=p)
 
+
+def _gguf_hf_config(meta: dict, arch: str, tensors: dict, tokenizer) -> dict:
+    """The ``config.json`` of a GGUF model, from its header's ``<arch>.*`` keys."""
     def g(key, default=None):
         return meta.get(f"{arch}.{key}", default)
 
     n_head = int(g("attention.head_count"))
-    n_kv = int(g("attention.head_count_kv", n_head))
     hidden = int(g("embedding_length"))
-    head_dim = int(g("attention.key_length", hidden // n_head))
-    tokenizer = tokenizer_from_gguf(meta, name)
-    tensors = {t.name: t for t in reader.tensors}
-    vocab = int(g("vocab_size", len(meta["tokenizer.ggml.tokens"])))
     hf_cfg = {
         "model_type": _GGUF_ARCHS[arch],
-        "vocab_size": vocab,
+        "vocab_size": int(g("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
         "hidden_size": hidden,
         "intermediate_size": int(g("feed_forward_length")),
         "num_hidden_layers": int(g("block_count")),
         "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
+        "num_key_value_heads": int(g("attention.head_count_kv", n_head)),
+        "head_dim": int(g("attention.key_length", hidden // n_head)),
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 8192)),
@@ -314,40 +314,60 @@ def _convert_gguf(name: str, fs, p: str, cache_dir: str) -> None:
     }
     if g("rope.scaling.type") == "linear":
         hf_cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(g("rope.scaling.factor", 1.0))}
-    ModelConfig.from_hf(hf_cfg, source=name)  # refuses a GGUF whose header is not a model we run, before dequantizing
+    return hf_cfg
 
-    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-    blk = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-           "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+_GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def _gguf_weights(tensors: dict, unpermute: bool, n_head: int, n_kv: int) -> dict[str, Any]:
+    """{HF name: float32 tensor} of the GGUF tensors we load (others skipped); llama.cpp's
+    rotary permutation of q/k undone for llama-family models."""
+    import numpy as np
+    import torch
+    from gguf.quants import dequantize
+
+    from dlbatch.engine.gguf_quants import dequantize as fast_dequantize
+
     weights: dict[str, Any] = {}
-    unpermute = arch in ("llama", "mistral")
     for tname, t in tensors.items():
         parts = tname.split(".")
         if parts[0] == "blk":
             layer, base, kind = parts[1], parts[2], parts[3]
-            if base not in blk:
+            if base not in _GGUF_BLOCK:
                 continue
-            hf = f"model.layers.{layer}.{blk[base]}.{kind}"
+            hf = f"model.layers.{layer}.{_GGUF_BLOCK[base]}.{kind}"
         else:
             base, kind = parts[0], parts[1]
-            if base not in names:
+            if base not in _GGUF_NAMES:
                 continue
-            hf = f"{names[base]}.{kind}"
+            hf = f"{_GGUF_NAMES[base]}.{kind}"
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         try:
             arr = fast_dequantize(t.data, t.tensor_type.name, shape)
         except KeyError:
             arr = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape).copy())
         if unpermute and base in ("attn_q", "attn_k"):
-            heads = n_head if base == "attn_q" else n_kv
-            arr = _unpermute_rope(arr, heads)
+            arr = _unpermute_rope(arr, n_head if base == "attn_q" else n_kv)
         weights[hf] = arr.contiguous()
+    return weights
+
+
+def _write_hf_folder(cache_dir: str, hf_cfg: dict, tokenizer, weights: dict, source: str) -> None:
+    """config, tokenizer and safetensors written to a temporary folder beside ``cache_dir``,
+    then published whole (another process may have converted the same file first)."""
+    import shutil
+    import tempfile
+
     from safetensors.torch import save_file
 
-    parent = os.path.dirname(cache_dir)
-    tmp = tempfile.mkdtemp(prefix=".gguf-tmp-", dir=parent)
+    from dlbatch.cache import publish_dir
+
+    tmp = tempfile.mkdtemp(prefix=".gguf-tmp-", dir=os.path.dirname(cache_dir))
     try:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f)
@@ -355,11 +375,9 @@ def _convert_gguf(name: str, fs, p: str, cache_dir: str) -> None:
         with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
             json.dump({"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
                        "chat_template": tokenizer.chat_template, "add_bos_token": tokenizer.add_bos,
-                       "eos_token_ids": list(tokenizer.eos_token_ids), "source": p}, f)
+                       "eos_token_ids": list(tokenizer.eos_token_ids), "source": source}, f)
         save_file(weights, os.path.join(tmp, "model.safetensors"))
-        from dlbatch.cache import publish_dir
-
-        publish_dir(tmp, cache_dir)  # another process may have converted it first
+        publish_dir(tmp, cache_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

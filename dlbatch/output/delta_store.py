@@ -133,6 +133,24 @@ def _schema(dt):
     return pa.schema(dt.schema().to_arrow()) if dt is not None else result_schema(False, ())
 
 
+def _delete_predicate(dt, sources: set[str], doc_ids: set[str] | None) -> str | None:
+    """The SQL predicate of the rows of input files ``sources`` (their ``source`` values in the
+    table; with ``doc_ids``, of those documents only); None when the table holds none."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from connectors.versions import source_files
+
+    src = dt.to_pyarrow_table(columns=["source"]).column("source").combine_chunks()
+    hit = pc.unique(src.filter(pc.is_in(source_files(src), value_set=pa.array(sorted(sources), pa.string()))))
+    if not len(hit):
+        return None
+    where = f"source IN ({', '.join(_sql_string(s) for s in hit.to_pylist())})"
+    if doc_ids is not None:
+        where += f" AND doc_id IN ({', '.join(_sql_string(d) for d in sorted(doc_ids))})"
+    return where
+
+
 def _check_fence(dt, gen: int | None, url: str) -> None:
     """Raise `LeaseLost` when the snapshot ``dt`` holds the fence of a lease generation newer
     than ``gen`` (this process's)."""
@@ -382,25 +400,15 @@ class DeltaStore:
         """Remove every committed row of ``sources`` (with ``doc_ids``: of those documents
         only): one Delta delete transaction for the result rows, then the dead letters
         rewritten (`DeadLetters.supersede`)."""
-        import pyarrow.compute as pc
-
-        from connectors.versions import source_files
-
         self.recover()
         keep, values = not_from(sources, doc_ids)
         removed = 0
         dt = self.table()
-        if dt is not None:
-            src = dt.to_pyarrow_table(columns=["source"]).column("source").combine_chunks()
-            hit = pc.unique(src.filter(pc.is_in(source_files(src), value_set=values))).to_pylist()
-            if hit:
-                self.files.verify()
-                self._fenced_out(dt)
-                where = f"source IN ({', '.join(_sql_string(s) for s in hit)})"
-                if doc_ids is not None:
-                    where += f" AND doc_id IN ({', '.join(_sql_string(d) for d in sorted(doc_ids))})"
-                res = dt.delete(predicate=where, commit_properties=self._props())
-                removed = int(res.get("num_deleted_rows", 0))
+        where = _delete_predicate(dt, sources, doc_ids) if dt is not None else None
+        if where:
+            self.files.verify()
+            self._fenced_out(dt)
+            removed = int(dt.delete(predicate=where, commit_properties=self._props()).get("num_deleted_rows", 0))
         self.dead.supersede(keep, values)
         return removed
 

@@ -160,19 +160,7 @@ class PromptStage:
                 return [self._error(base, "prompt", "LongInput", f"task {tasks[k].name!r}: prompt of "
                                     f"{_length(ids, mm, k)} tokens + max_tokens {tasks[k].max_tokens} exceeds "
                                     f"max_model_len {limit}")]
-            for policy in ("truncate", "middle"):
-                text_ks = [k for k in by_policy.get(policy, []) if k not in mm]
-                if text_ks:
-                    cut_ids, mark = self._truncate(ctx, text_ks, limit, policy)
-                    for k, i in cut_ids.items():
-                        ids[k], marks[k] = i, mark
-                for k in (k for k in by_policy.get(policy, []) if k in mm):  # images: cut by text, then by page
-                    try:
-                        mm[k], marks[k] = self._image_task(k, ctx, images, doc, policy)
-                        ids[k] = mm[k].ids
-                    except LongInput as e:
-                        errors[k] = e
-                        ids.pop(k)
+            self._cut(by_policy, ctx, doc, images, (ids, mm, marks, errors))
             map_rows = self._chunk(base, doc, ctx, [tasks[k] for k in by_policy.get("chunk", [])])
         except Exception as e:
             return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
@@ -192,6 +180,25 @@ class PromptStage:
                             "stage": None, "error_type": None, "error": None, **_NO_MARK, **marks[k],
                             **request_marks(t.adapter, mm.get(k))})
         return expand_samples(spec, out) + map_rows
+
+    def _cut(self, by_policy: dict, ctx: dict, doc: dict, images: list[dict], state) -> None:
+        """The ``truncate`` / ``middle`` tasks of ``by_policy`` cut to fit, in place in
+        ``state`` (ids, image prompts, marks, errors): text tasks share one cut document per
+        policy; an image task is cut by text, then by page, or fails alone."""
+        ids, mm, marks, errors = state
+        for policy in ("truncate", "middle"):
+            text_ks = [k for k in by_policy.get(policy, []) if k not in mm]
+            if text_ks:
+                cut_ids, mark = self._truncate(ctx, text_ks, self.max_model_len, policy)
+                for k, i in cut_ids.items():
+                    ids[k], marks[k] = i, mark
+            for k in (k for k in by_policy.get(policy, []) if k in mm):
+                try:
+                    mm[k], marks[k] = self._image_task(k, ctx, images, doc, policy)
+                    ids[k] = mm[k].ids
+                except LongInput as e:
+                    errors[k] = e
+                    ids.pop(k)
 
     def _encode_tasks(self, ctx: dict, images: list[dict], doc: dict):
         """Every task's prompt: ({task index: token ids}, {task index: `Encoded` image prompt},
