@@ -188,3 +188,27 @@ def test_status_of_a_job_whose_input_is_missing_is_one_line_exit_2(tmp_path, cap
                "--set", f"output.path={tmp_path / 'out'}"])
     line = _one_line_error(capsys.readouterr().err)
     assert rc == 2 and "missing.jsonl" in line
+
+
+def test_relative_paths_follow_one_rule_and_validate_prints_them(tmp_path, capsys, monkeypatch):
+    """Data from the current directory, the job's own files from the job file's folder: a job
+    in one folder with its schema beside it, run from another folder holding the data."""
+    import json
+
+    jobdir, datadir = tmp_path / "jobs", tmp_path / "work"
+    (jobdir / "schemas").mkdir(parents=True)
+    (datadir / "in").mkdir(parents=True)
+    (jobdir / "schemas" / "kw.json").write_text(json.dumps({"type": "object", "properties": {
+        "keywords": {"type": "array", "items": {"type": "string"}}}, "required": ["keywords"]}))
+    (datadir / "in" / "a.jsonl").write_text(json.dumps({"id": "a", "text": "A short passage about rivers."}) + "\n")
+    (jobdir / "job.yaml").write_text(
+        "name: paths\npipeline: papers\ninput: {format: jsonl, path: in, id_field: id}\noutput: {path: out}\n"
+        "model: {name: smollm2-135m-instruct, dtype: float32, max_model_len: 1024}\n"
+        "tasks:\n  - {name: kw, prompt: \"{{ text }} Keywords?\", max_tokens: 8, output: {json_schema: schemas/kw.json}}\n")
+    monkeypatch.chdir(datadir)
+    assert main(["validate", str(jobdir / "job.yaml"), "--docs", "1"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("paths "))
+    assert f"relative ones from {datadir}" in line
+    assert f"input {datadir / 'in'}, output {datadir / 'out'}, model /" in line
+    assert not (datadir / "out").exists() and not (jobdir / "in").exists()

@@ -64,6 +64,7 @@ def describe(spec, checked) -> None:
     config = checked.config
     print(f"model: backend {config.backend.name}, max_model_len {config.max_model_len:,} ({config.context_source})")
     print(f"layout: {layout_line(config.layout)}")
+    print(paths_line(spec))
     _inputs_line(spec, checked.files)
     if checked.columns:
         print(f"columns (first rows of {checked.files[0]}): {', '.join(sorted(checked.columns))}")
@@ -75,6 +76,21 @@ def describe(spec, checked) -> None:
     else:
         state = f"holds job {m.get('name')!r} ({'complete' if m.get('complete') else 'incomplete'}): a run resumes it"
     print(f"output: {spec.output.path} is writable; {state}")
+
+
+def paths_line(spec) -> str:
+    """The job's paths as the run uses them (docs/jobs.md, "Paths"): data paths from the
+    current directory, the model's folder as the loader finds it."""
+    import os
+
+    from dlbatch.engine.loader import resolve_model
+
+    try:
+        model = resolve_model(spec.model.ref)
+    except Exception as e:  # the model's own check reports it; here only where it would be
+        model = f"{spec.model.name} (not found: {type(e).__name__})"
+    return (f"paths (relative ones from {os.getcwd()}): input {spec.input.path}, output {spec.output.path}, "
+            f"model {model}")
 
 
 def layout_line(layout) -> str:

@@ -160,7 +160,7 @@ class PromptStage:
                 return [self._error(base, "prompt", "LongInput", f"task {tasks[k].name!r}: prompt of "
                                     f"{_length(ids, mm, k)} tokens + max_tokens {tasks[k].max_tokens} exceeds "
                                     f"max_model_len {limit}")]
-            self._cut(by_policy, ctx, doc, images, (ids, mm, marks, errors))
+            self._cut_to_fit(by_policy, ctx, doc, images, (ids, mm, marks, errors))
             map_rows = self._chunk(base, doc, ctx, [tasks[k] for k in by_policy.get("chunk", [])])
         except Exception as e:
             return [self._error(base, "prompt", type(e).__name__, str(e)[:500])]
@@ -181,7 +181,7 @@ class PromptStage:
                             **request_marks(t.adapter, mm.get(k))})
         return expand_samples(spec, out) + map_rows
 
-    def _cut(self, by_policy: dict, ctx: dict, doc: dict, images: list[dict], state) -> None:
+    def _cut_to_fit(self, by_policy: dict, ctx: dict, doc: dict, images: list[dict], state) -> None:
         """The ``truncate`` / ``middle`` tasks of ``by_policy`` cut to fit, in place in
         ``state`` (ids, image prompts, marks, errors): text tasks share one cut document per
         policy; an image task is cut by text, then by page, or fails alone."""
