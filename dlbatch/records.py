@@ -133,6 +133,13 @@ RESULT_COLUMNS = ["doc_id", "source", "task", "output", "prompt_tokens", "output
                   "chunks", "doc_version"]  # the names of `_result_fields`, importable without pyarrow
 ERROR_COLUMNS = ["doc_id", "source", "task", "stage", "error_type", "error"]  # task None: the whole document
 INDEX_COLUMNS = ["doc_id", "source", "task", "prompt_tokens", "output_tokens"]  # what progress reads
+SAMPLE_INDEX = "sample_index"  # a row's sample with output.samples: rows (dlbatch/prompts/sampling.py)
+
+
+def index_columns(names) -> list[str]:
+    """The index columns of a table with column ``names``: INDEX_COLUMNS, and ``sample_index``
+    where its rows are one per sample."""
+    return INDEX_COLUMNS + ([SAMPLE_INDEX] if SAMPLE_INDEX in names else [])
 
 
 def result_schema(include_text: bool, extra_fields=()):

@@ -99,6 +99,8 @@ class DispatchLoop:
         for doc in d.take_completed():
             rows = (self.map_reduce.output_rows(doc, spec.model.name, extra) if self.map_reduce
                     else doc.output_rows(spec.model.name, extra))
+            if spec.output.samples == "rows":
+                rows = sampling.sample_rows(rows, lambda task, s: structured.row_fields(spec, task, s))
             rows, dead = self._postprocess(rows)
             if dead:  # the hook failed on this document: its dead letter, the job goes on
                 self.buf.add_errors(dead)

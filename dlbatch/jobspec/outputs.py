@@ -23,6 +23,9 @@ class OutputSpec(BaseModel):
     # openai_batch (openai_batch input only): the Parquet parts, and results.jsonl / errors.jsonl in the
     # Batch API's output format written from them when a run completes (dlbatch/output/openai_export.py)
     format: Literal["parquet", "delta", "openai_batch"] = "parquet"
+    # n samples of a task: "list" keeps sample 0 in `output` and every sample in a `samples` list
+    # column; "rows" writes one row per sample, numbered by `sample_index` (dlbatch/prompts/sampling.py)
+    samples: Literal["list", "rows"] = "list"
 
     @field_validator("path")
     @classmethod

@@ -62,6 +62,9 @@ class JobSpec(BaseModel):
         if batch_out and not batch_in:
             raise ValueError(f"output.format openai_batch writes the responses to OpenAI batch request lines: it needs "
                              f"input.format openai_batch (got {self.input.format})")
+        if batch_in and self.output.samples == "rows":
+            raise ValueError("output.samples rows: an OpenAI batch line's n samples are the choices of one response; "
+                             "leave output.samples at list")
         if not batch_in:
             return self
         if [t.model_dump() for t in self.tasks] != [t.model_dump() for t in openai_batch_tasks()]:

@@ -75,7 +75,7 @@ from dlbatch.output.parts import PartsFolder
 from dlbatch.output.progress import committed_progress, with_pending
 from dlbatch.output.rows import (error_key, error_table, new_run_tag, not_failed_with, not_from, result_key,
                                  result_table)
-from dlbatch.records import INDEX_COLUMNS, result_schema
+from dlbatch.records import INDEX_COLUMNS, index_columns, result_schema
 
 log = logging.getLogger("dlbatch.output.delta_store")
 
@@ -221,7 +221,7 @@ class DeltaStore:
         if dt is None:
             return pa.table({c: pa.array([], pa.string() if c in ("doc_id", "source", "task") else pa.int64())
                              for c in INDEX_COLUMNS})
-        return dt.to_pyarrow_table(columns=INDEX_COLUMNS)
+        return dt.to_pyarrow_table(columns=index_columns([f.name for f in dt.schema().fields]))
 
     def progress(self, tasks: set[str] | None = None) -> dict:
         """`committed_progress` of the snapshot and the dead letters (those of landed

@@ -60,7 +60,7 @@ from dlbatch.output.parts import COMPACT_DIR, ERRORS_META, INDEX_DIR, PartsFolde
 from dlbatch.output.progress import committed_progress, with_pending
 from dlbatch.output.rows import (error_key, error_table, new_run_tag, not_failed_with, not_from, part_name, result_key,
                                  result_table)
-from dlbatch.records import INDEX_COLUMNS, result_schema
+from dlbatch.records import INDEX_COLUMNS, SAMPLE_INDEX, index_columns, result_schema
 
 log = logging.getLogger("dlbatch.output.parquet_store")
 
@@ -81,7 +81,7 @@ class ParquetStore:
         self.keep_columns = keep_columns  # output.keep_columns: input columns appended to result rows
         self.kept = KeptColumns(keep_columns) if keep_columns else None
         self.run_tag = new_run_tag()
-        self.parts = PartsFolder(self.files, "", index_columns=INDEX_COLUMNS)
+        self.parts = PartsFolder(self.files, "", index_columns=INDEX_COLUMNS, optional_index_columns=(SAMPLE_INDEX,))
         self.dead = DeadLetters(self.files, self.run_tag)
 
     # ---- reading what is committed ------------------------------------------------------------
@@ -95,8 +95,9 @@ class ParquetStore:
         """Every committed row's INDEX_COLUMNS as one Table."""
         import pyarrow as pa
 
-        tables = [t.select(INDEX_COLUMNS) for _, t in self.parts.indexes()]
-        return pa.concat_tables(tables) if tables else pa.table({c: [] for c in INDEX_COLUMNS})
+        tables = [t.select(index_columns(t.schema.names)) for _, t in self.parts.indexes()]
+        return (pa.concat_tables(tables, promote_options="default") if tables
+                else pa.table({c: [] for c in INDEX_COLUMNS}))
 
     def progress(self, tasks: set[str] | None = None) -> dict:
         """`committed_progress` of the index files and the dead letters (those of parts whose

@@ -35,10 +35,11 @@ ERRORS_META = b"dlbatch.errors"  # footer key of a result part: the dead letters
 
 
 class PartsFolder:
-    def __init__(self, files, at: str = "", index_columns=None):
+    def __init__(self, files, at: str = "", index_columns=None, optional_index_columns=()):
         self.files = files  # the output's OutputFiles: filesystem, lease, records
         self.at = at.strip("/")
         self.index_columns = list(index_columns) if index_columns else None  # None: no index files
+        self.optional_index_columns = tuple(optional_index_columns)  # indexed where a part has them
         self._uncertain: list[str] = []  # names of commits that raised
 
     # ---- where --------------------------------------------------------------------------------
@@ -152,7 +153,8 @@ class PartsFolder:
         from connectors.sink import write_parquet_atomic
 
         try:
-            write_parquet_atomic(table.select(self.index_columns), self.files.url_of(self._rel(INDEX_DIR)), name,
+            cols = self.index_columns + [c for c in self.optional_index_columns if c in table.schema.names]
+            write_parquet_atomic(table.select(cols), self.files.url_of(self._rel(INDEX_DIR)), name,
                                  self.files.storage_options, on_conflict="overwrite",
                                  before_rename=self.files.before_rename)
         except OSError as e:

@@ -55,7 +55,7 @@ def committed_progress(index, errors, tasks: set[str] | None = None) -> dict:
         "sources": set(files.to_pylist()),
         "prompt_tokens": int(pc.sum(index.column("prompt_tokens")).as_py() or 0) if n else 0,
         "output_tokens": int(pc.sum(index.column("output_tokens")).as_py() or 0) if n else 0,
-        "duplicates": n - res.group_by(["doc_id", "task"]).aggregate([]).num_rows,
+        "duplicates": n - _distinct_results(res, index),
     }
 
 
@@ -68,3 +68,14 @@ def with_pending(errors, pending: list):
         return errors
     return pa.concat_tables([errors, *pending], promote_options="default") if errors.num_rows else \
         pa.concat_tables(pending)
+
+
+def _distinct_results(res, index) -> int:
+    """Distinct (document, task) result rows, (document, task, sample) where rows are one per
+    sample (``sample_index``, output.samples: rows)."""
+    import pyarrow as pa
+
+    keys = {"doc_id": res["doc_id"], "task": res["task"]}
+    if "sample_index" in index.column_names:
+        keys["sample_index"] = index["sample_index"]
+    return pa.table(keys).group_by(list(keys)).aggregate([]).num_rows

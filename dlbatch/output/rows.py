@@ -20,7 +20,9 @@ from dlbatch.records import ERROR_COLUMNS, RESULT_COLUMNS, error_schema, result_
 
 
 def result_key(r: dict) -> tuple:
-    return (r["doc_id"], r["task"])
+    """A result row's identity: (document, task), and its sample with ``output.samples: rows``."""
+    i = r.get("sample_index")
+    return (r["doc_id"], r["task"]) if i is None else (r["doc_id"], r["task"], i)
 
 
 def error_key(r: dict) -> tuple:

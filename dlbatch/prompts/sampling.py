@@ -10,7 +10,8 @@ reruns and retries sample the same tokens whatever the batching.
 (so sample 0 is what n = 1 draws), each row a request like any other (prefill/decode pools
 included; they share the prompt as prefix, so the router sends them together and the prefix
 cache computes it once). The document's result row is sample 0's, with every sample in its
-``samples`` column (`dlbatch.driver.document.Document`).
+``samples`` column (`dlbatch.driver.document.Document`); with ``output.samples: rows`` the
+row is then written once per sample (`sample_rows`), numbered by ``sample_index``.
 """
 from __future__ import annotations
 
@@ -108,7 +109,9 @@ def result_fields(spec) -> list:
     import pyarrow as pa
 
     fields = []
-    if spec.input.format == "openai_batch" or any((task_sampling(spec, t.name).n or 1) > 1 for t in spec.tasks):
+    if spec.output.samples == "rows":
+        fields.append(pa.field("sample_index", pa.int64()))
+    elif spec.input.format == "openai_batch" or any((task_sampling(spec, t.name).n or 1) > 1 for t in spec.tasks):
         fields.append(pa.field("samples", samples_type()))
     if uses(spec, "logprobs"):
         fields.append(pa.field("logprobs", logprobs_type()))
@@ -129,3 +132,21 @@ def row_fields(result: dict) -> dict:
             "samples": None if samples is None else [
                 {"output": s.get("output", ""), "output_tokens": int(s.get("output_tokens") or 0),
                  "finish_reason": s.get("finish_reason"), "logprobs": lp(s.get("logprobs"))} for s in samples]}
+
+
+def sample_rows(rows: list[dict], typed) -> list[dict]:
+    """``output.samples: rows``: each result row once per sample, sample i's ``output``,
+    ``output_tokens``, ``finish_reason``, ``logprobs`` and typed columns (``typed(task,
+    sample)``: the structured-output fields) with ``sample_index`` i; a task drawing one
+    sample is its row with ``sample_index`` 0. The rows of one document stay one commit."""
+    out = []
+    for r in rows:
+        samples = r.pop("samples", None)
+        if not samples:
+            out.append({**r, "sample_index": 0})
+            continue
+        for i, s in enumerate(samples):
+            out.append({**r, "output": s["output"], "output_tokens": s["output_tokens"],
+                        "finish_reason": s["finish_reason"], "logprobs": s["logprobs"], "sample_index": i,
+                        **typed(r["task"], s)})
+    return out
