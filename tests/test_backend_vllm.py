@@ -90,7 +90,7 @@ def features(ray_local, sample_model, tmp_path_factory):
            "long_inputs": "truncate", "chunking": {"map_max_tokens": 24, "overlap_tokens": 16}}
     path = d / "job.yaml"
     path.write_text(yaml.safe_dump(job))
-    rep = _run(str(path), str(d / "out"), VLLM)
+    rep = _run(str(path), str(d / "out"), [*VLLM, "max_dead_letter_fraction=1"])  # 2 of 3 inputs bad on purpose
     from dlbatch.output.parquet_store import ParquetStore
 
     store = ParquetStore(str(d / "out"))
@@ -271,7 +271,7 @@ def test_sampling_extras_agree_with_our_engine(tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     spec = SimpleNamespace(model=path, engine=EngineConfig(dtype="float32", max_model_len=256, max_num_seqs=8),
                            chat=False, storage_options=None, kv_transport="object_store", kv_timeout_s=30,
-                           num_threads=2, engine_args={"enforce_eager": True})
+                           num_threads=2, engine_args={"enforce_eager": True}, adapters={})
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 40))] for _ in range(3)]
     items = [{"request_id": f"g{i}", "token_ids": p, "max_tokens": 8, "ignore_eos": True, "logprobs": 5}

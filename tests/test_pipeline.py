@@ -86,7 +86,8 @@ def test_jsonl_input_with_bad_rows_dead_lettered(ray_local, sample_model, tmp_pa
              json.dumps({"id": "c", "text": "Birds migrate at night. " * 30}), json.dumps({"id": "d", "text": "   "})]
     src.write_text("\n".join(lines) + "\n")
     out = str(tmp_path / "out")
-    rep = _run("jobs/papers_jsonl.yaml", out, [f"input.path={src}", "input.id_field=id"])
+    rep = _run("jobs/papers_jsonl.yaml", out, [f"input.path={src}", "input.id_field=id",
+                                               "max_dead_letter_fraction=1"])  # mostly bad input, on purpose
     rows = _rows(out)
     assert sorted({r["doc_id"] for r in rows}) == ["a", "c"] and len(rows) == 6
     errs = ParquetStore(out).errors().to_pylist()
@@ -101,7 +102,8 @@ def test_bad_pdfs_dead_lettered_good_ones_written(ray_local, sample_model, tmp_p
 
     corpus = build_bad_corpus(tmp_path / "corpus", oversized_pages=8)
     out = str(tmp_path / "out")
-    rep = _run("jobs/papers.yaml", out, [f"input.path={corpus.pdf_dir}", "input.max_pages=2"])
+    rep = _run("jobs/papers.yaml", out, [f"input.path={corpus.pdf_dir}", "input.max_pages=2",
+                                         "max_dead_letter_fraction=1"])  # mostly bad input, on purpose
     rows = _rows(out)
     good = {k for k, v in corpus.pdf_expected.items() if v is None}
     assert {os.path.basename(r["source"]) for r in rows} == good and len(rows) == 3 * len(good)

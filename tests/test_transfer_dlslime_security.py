@@ -208,6 +208,7 @@ def test_workers_get_the_jobs_opt_in_not_the_drivers_env(monkeypatch, opt_in):
     monkeypatch.setattr(loader, "model_dir", lambda ref: None)
     monkeypatch.setattr(workers, "make_worker_class", lambda role, tensor_transport=False: _Cls())
     monkeypatch.setattr(pools_mod.WorkerPools, "_wait_for_resources", lambda self, since: None)
+    monkeypatch.setattr(pools_mod.WorkerPools, "_place_by_chip", lambda self, chips: True)  # no Ray to ask
     p.kv_via = "object_store"
     monkeypatch.setattr(pools_mod.WorkerPools, "_choose_transport", lambda self, probe: ("dlslime", "job"))
     p.start(StartupClock(0.0))

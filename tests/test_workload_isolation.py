@@ -89,5 +89,5 @@ def test_the_sample_is_parsed_with_the_jobs_caps(tmp_path, monkeypatch, sample_m
     with caplog.at_level(logging.WARNING, logger="dlbatch.solver"):
         s = job_workload(spec, sample=8, use_report=False, max_model_len=spec.model.max_model_len)
     assert s.docs_sampled == 2 and not s.failed_docs and not caplog.records
-    caps = {"max_file_bytes": 1000000, "parse_timeout_s": 30.0, "parse_memory_mb": 2048}
+    caps = {"max_file_bytes": 1000000, "parse_timeout_s": 30.0, "parse_memory_mb": 2048, "images": None}
     assert seen == [("good-a.pdf", 2, caps), ("good-b.pdf", 2, caps)]

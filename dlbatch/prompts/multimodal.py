@@ -95,12 +95,16 @@ def result_fields(spec) -> list:
 
 
 def image_references(source: str) -> list[str]:
-    """The image variables a template reads."""
-    from jinja2 import meta
+    """The image variables a template reads (none for a template that does not parse: its
+    task's template check names the syntax error)."""
+    from jinja2 import TemplateSyntaxError, meta
 
     from dlbatch.prompts.templates import _ENV
 
-    used = meta.find_undeclared_variables(_ENV.parse(source))
+    try:
+        used = meta.find_undeclared_variables(_ENV.parse(source))
+    except TemplateSyntaxError:
+        return []
     return [v for v in IMAGE_VARIABLES if v in used]
 
 
