@@ -30,7 +30,7 @@ def error_key(r: dict) -> tuple:
 
 
 def keys_digest(keys) -> str:
-    return hashlib.sha256("\n".join(sorted(f"{a}\t{b}" for a, b in keys)).encode()).hexdigest()[:20]
+    return hashlib.sha256("\n".join(sorted("\t".join(map(str, k)) for k in keys)).encode()).hexdigest()[:20]
 
 
 def new_run_tag() -> str:
