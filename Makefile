@@ -38,10 +38,12 @@ test: setup
 test-all: setup
 	$(BIN)/python -m pytest -q --durations=15
 
-# the engine's parity and constraint tests alone (CI runs them before `setup-vllm`, at the
-# upper end of the llguidance/transformers ranges)
+# the engine's tests that depend on the llguidance/transformers versions alone: parity with
+# transformers and constrained decoding (CI runs them before `setup-vllm`, at the upper end of
+# those ranges; `test-all` runs them again at vLLM's pins, with the rest of tests/engine)
 test-engine: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests/engine tests/test_structured.py
+	$(BIN)/python -m pytest -q -m "not slow" tests/engine/test_parity.py tests/engine/test_real_model.py \
+		tests/engine/test_constrained.py tests/engine/test_sampling_extras.py tests/test_structured.py
 
 # on a CUDA machine (triton comes with the test extra): op parity, whole model, graphs, PD, engine bench (< 8 min)
 gpu-check: setup
