@@ -138,7 +138,7 @@ class OutputLease:
             self.fs.invalidate_cache(path)
         try:
             return call_with_retry(self.fs.modified, path, op=f"stat {path}").timestamp()
-        except NotImplementedError:
+        except NotImplementedError:  # fsspec's default `modified`: a filesystem without it states times in info
             info = call_with_retry(self.fs.info, path, op=f"stat {path}")
             for k in ("mtime", "LastModified", "last_modified", "updated", "created"):
                 v = info.get(k)

@@ -268,7 +268,7 @@ class MultimodalPrompts:
         try:
             counts = p._get_num_multimodal_tokens(image_sizes=[(r.height, r.width) for r in refs])
             return [int(n) for n in counts["num_image_tokens"]]
-        except (AttributeError, NotImplementedError, KeyError, TypeError):
+        except (AttributeError, NotImplementedError, KeyError, TypeError):  # a processor without transformers' size rule
             return self._counted_by_processing(refs)
 
     def _counted_by_processing(self, refs: list[ImageRef]) -> list[int]:

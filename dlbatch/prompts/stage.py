@@ -70,6 +70,7 @@ class PromptStage:
 
         # image prompts (tasks with images:) through the model's processor, loaded at the first image
         self.mm = MultimodalPrompts.for_job(spec, self.tok) if has_images(spec) else None
+        self.batch = BatchLinePrompts(spec, self.tok, self.encoder, self.max_model_len)  # openai_batch lines
         # ids not to redo: a SkipSet (8 bytes per id) from the driver, or any iterable of ids
         self.skip = skip_doc_ids if isinstance(skip_doc_ids, SkipSet) else SkipSet(skip_doc_ids or ())
         from dlbatch.prompts.doc_identity import DocIdentity
@@ -128,7 +129,7 @@ class PromptStage:
         if doc.get("error"):
             return [self._error(base, "parse", doc.get("error_type") or "ParseError", doc["error"])]
         if spec.input.format == "openai_batch":
-            return self._batch_line(base, doc)
+            return self.batch.rows(base, doc)
         images = unpack_images(doc.get("images")) if self.mm is not None else []
         if not (doc.get("text") or "").strip() and not images:
             return [self._error(base, "parse", "EmptyDocument", "document has no text")]
@@ -254,63 +255,6 @@ class PromptStage:
                            len(text_ids), self.max_model_len - t.max_tokens, f"task {t.name!r}")
         return enc, {"long_input_policy": policy, "doc_tokens": len(text_ids), "kept_tokens": kept}
 
-    def _batch_line(self, base: dict, doc: dict) -> list[dict]:
-        """An OpenAI batch request line (connectors/openai_batch.py) -> its request row(s): one
-        row of the implicit task (n rows for n samples), the prompt ids from the chat template
-        (chat: the body's messages, ``model.system`` first when they have no system message)
-        or the raw prompt text (completions: encoded as a raw prompt is, special tokens
-        added), ``max_tokens`` the body's (none: CHAT_DEFAULT_MAX_TOKENS or what the context
-        leaves if less, for chat; the task's 16, as the API's, for completions), the seed the
-        body's else the derived one, and the body's sampling as the row's own (``sampling``).
-        A body `translate` refuses, or one that does not fit max_model_len (``LongInput``),
-        is that line's dead letter, naming the key or the sizes."""
-        from connectors.columns import unpack
-        from connectors.openai_batch import BAD_REQUEST, CHAT_DEFAULT_MAX_TOKENS, TASK, InvalidRequest, translate
-
-        cols = unpack(doc.get("columns"))
-        try:
-            req = translate(cols.get("url"), json.loads(cols.get("body") or "null"), self.spec.model.served_names,
-                            tuple(self.spec.model.adapters))
-        except InvalidRequest as e:
-            return [self._error(base, "prompt", e.code, str(e)[:500])]
-        enc = None  # the chat's images, if any, through the model's processor
-        if req["chat"] and any(isinstance(m["content"], list) for m in req["messages"]):
-            try:
-                enc = self._line_images(req["messages"])
-            except ValueError as e:
-                return [self._error(base, "prompt", BAD_REQUEST, str(e)[:500])]
-            ids, length = enc.ids, enc.length
-        else:
-            ids = self.encoder.encode(0, req["messages"]) if req["chat"] else self.tok.encode(req["prompt"])
-            length = len(ids)
-        limit, task = self.max_model_len, self.spec.tasks[0]
-        max_tokens = req["max_tokens"]
-        if max_tokens is None:
-            max_tokens = min(CHAT_DEFAULT_MAX_TOKENS, limit - length) if req["chat"] else task.max_tokens
-        if max_tokens < 1 or length + max_tokens > limit:
-            return [self._error(base, "prompt", "LongInput",
-                                f"the {'chat' if req['chat'] else 'prompt'} is {length} tokens"
-                                + (f" ({enc.image_tokens} of them for {len(enc.images)} images)" if enc else "")
-                                + f", + max_tokens {max_tokens} exceeds max_model_len {limit}")]
-        seed = req["seed"] if req["seed"] is not None else derive_seed(task_sampling(self.spec, TASK).seed,
-                                                                       doc["doc_id"], TASK)
-        row = {**base, "task": TASK, "task_index": 0, "prompt_ids": ids, "max_tokens": max_tokens, "truncated": False,
-               "seed": seed, "stage": None, "error_type": None, "error": None, **_NO_MARK,
-               "sampling": json.dumps(req["sampling"], sort_keys=True) if req["sampling"] else None,
-               **request_marks(req["adapter"], enc)}
-        return expand_samples(self.spec, [row])
-
-    def _line_images(self, messages: list[dict]):
-        """An OpenAI batch chat with image parts -> its `Encoded` prompt (the model's processor
-        loaded at the first such line); ValueError naming why it cannot run: a backend without
-        image inputs, a model without an image processor, an image that is not one."""
-        from dlbatch.prompts.multimodal import MultimodalPrompts
-
-        self.spec.model.check_features(images=True)
-        if self.mm is None:
-            self.mm = MultimodalPrompts.for_job(self.spec, self.tok)
-        return self.mm.chat_prompt(messages)
-
     def _context(self, doc: dict) -> dict:
         from connectors.columns import unpack
 
@@ -387,6 +331,74 @@ class PromptStage:
     def _error(base: dict, stage: str, etype: str, msg: str) -> dict:
         return {**base, "task": None, "task_index": -1, "prompt_ids": [], "max_tokens": 0, "truncated": False,
                 "seed": 0, "stage": stage, "error_type": etype, "error": repair_text(msg), **_NO_MARK}
+
+
+
+class BatchLinePrompts:
+    """The request rows of OpenAI batch lines (`PromptStage` of an ``openai_batch`` input):
+    each line's body is its prompt. Owns the model's image processor for lines with image
+    parts, loaded at the first such line."""
+
+    def __init__(self, spec, tok, encoder, max_model_len: int):
+        self.spec, self.tok, self.encoder, self.max_model_len = spec, tok, encoder, max_model_len
+        self.mm = None  # MultimodalPrompts, once a line holds an image
+
+    def rows(self, base: dict, doc: dict) -> list[dict]:
+        """An OpenAI batch request line (connectors/openai_batch.py) -> its request row(s): one
+        row of the implicit task (n rows for n samples), the prompt ids from the chat template
+        (chat: the body's messages, ``model.system`` first when they have no system message)
+        or the raw prompt text (completions: encoded as a raw prompt is, special tokens
+        added), ``max_tokens`` the body's (none: CHAT_DEFAULT_MAX_TOKENS or what the context
+        leaves if less, for chat; the task's 16, as the API's, for completions), the seed the
+        body's else the derived one, and the body's sampling as the row's own (``sampling``).
+        A body `translate` refuses, or one that does not fit max_model_len (``LongInput``),
+        is that line's dead letter, naming the key or the sizes."""
+        from connectors.columns import unpack
+        from connectors.openai_batch import BAD_REQUEST, CHAT_DEFAULT_MAX_TOKENS, TASK, InvalidRequest, translate
+
+        cols = unpack(doc.get("columns"))
+        try:
+            req = translate(cols.get("url"), json.loads(cols.get("body") or "null"), self.spec.model.served_names,
+                            tuple(self.spec.model.adapters))
+        except InvalidRequest as e:
+            return [PromptStage._error(base, "prompt", e.code, str(e)[:500])]
+        enc = None  # the chat's images, if any, through the model's processor
+        if req["chat"] and any(isinstance(m["content"], list) for m in req["messages"]):
+            try:
+                enc = self._images(req["messages"])
+            except ValueError as e:
+                return [PromptStage._error(base, "prompt", BAD_REQUEST, str(e)[:500])]
+            ids, length = enc.ids, enc.length
+        else:
+            ids = self.encoder.encode(0, req["messages"]) if req["chat"] else self.tok.encode(req["prompt"])
+            length = len(ids)
+        limit, task = self.max_model_len, self.spec.tasks[0]
+        max_tokens = req["max_tokens"]
+        if max_tokens is None:
+            max_tokens = min(CHAT_DEFAULT_MAX_TOKENS, limit - length) if req["chat"] else task.max_tokens
+        if max_tokens < 1 or length + max_tokens > limit:
+            return [PromptStage._error(base, "prompt", "LongInput",
+                                f"the {'chat' if req['chat'] else 'prompt'} is {length} tokens"
+                                + (f" ({enc.image_tokens} of them for {len(enc.images)} images)" if enc else "")
+                                + f", + max_tokens {max_tokens} exceeds max_model_len {limit}")]
+        seed = req["seed"] if req["seed"] is not None else derive_seed(task_sampling(self.spec, TASK).seed,
+                                                                       doc["doc_id"], TASK)
+        row = {**base, "task": TASK, "task_index": 0, "prompt_ids": ids, "max_tokens": max_tokens, "truncated": False,
+               "seed": seed, "stage": None, "error_type": None, "error": None, **_NO_MARK,
+               "sampling": json.dumps(req["sampling"], sort_keys=True) if req["sampling"] else None,
+               **request_marks(req["adapter"], enc)}
+        return expand_samples(self.spec, [row])
+
+    def _images(self, messages: list[dict]):
+        """An OpenAI batch chat with image parts -> its `Encoded` prompt (the model's processor
+        loaded at the first such line); ValueError naming why it cannot run: a backend without
+        image inputs, a model without an image processor, an image that is not one."""
+        from dlbatch.prompts.multimodal import MultimodalPrompts
+
+        self.spec.model.check_features(images=True)
+        if self.mm is None:
+            self.mm = MultimodalPrompts.for_job(self.spec, self.tok)
+        return self.mm.chat_prompt(messages)
 
 
 class EmptyDocument(ValueError):
