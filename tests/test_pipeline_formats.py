@@ -41,6 +41,13 @@ def small_parts(monkeypatch):
     monkeypatch.setattr(read_tasks, "FIRST_TASK_BYTES", 32)
 
 
+def _workers_before_listing(report) -> bool:
+    """Did the workers start (Ray attached, actors created) before the checks that list the
+    inputs ended? (dlbatch/driver/early_start.py: remote inputs only)"""
+    iv = report["startup"]["intervals_s"]
+    return iv["ray_start"][0] < iv["checks"][1]
+
+
 def _check(report, rows, docs_ok, docs_failed):
     assert report["docs_ok"] == docs_ok and report["docs_failed"] == docs_failed
     assert len(rows) == 3 * docs_ok and report["rows_written"] == 3 * docs_ok
@@ -59,6 +66,7 @@ def test_parquet_text_and_hf_inputs(ray_local, sample_model, tmp_path, small_par
                              "input.text_field=body", "input.id_field=id", f"output.path={tmp_path / 'o-pq'}"])
     _check(rep, rows, 2, 1)
     assert {r["doc_id"] for r in rows} == {"d1", "d2"}
+    assert not _workers_before_listing(rep)  # a local input: listed and checked first, then the workers
     errors = store.errors().to_pylist()
     assert [(e["doc_id"], e["error_type"], e["source"].rsplit("#", 1)[1]) for e in errors] == \
         [("d3", "MissingField", "row2")]
@@ -89,6 +97,7 @@ def test_s3_input_and_output_on_loopback(ray_local, sample_model, s3_bucket, s3_
                              f"output.storage_options={opts}"])
     _check(rep, rows, 2, 0)
     assert {r["doc_id"] for r in rows} == {"d1", "d2"}
+    assert _workers_before_listing(rep)  # a remote input: the workers load while it is listed
     from connectors.read_tasks import plan_read_tasks
 
     assert len(plan_read_tasks([(f"s3://{s3_bucket}/in/docs.jsonl", None)], "jsonl", s3_options)) == 2

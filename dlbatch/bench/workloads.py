@@ -218,7 +218,7 @@ def render(result: dict) -> str:
         rows.append([name, f"{x['wall_s']:.1f}", "" if x.get("generation_s") is None else f"{x['generation_s']:.1f}",
                      "" if computed is None else f"{computed} ({computed / ideal:.2f}x ideal)",
                      "" if k == "peer" or "wall_s" not in s["peer"] else f"{ratio(s['peer']['wall_s'], x['wall_s']):.2f}x",
-                     str((x.get("layout") or {}).get("chosen", "")) if isinstance(x.get("layout"), dict) else ""])
+                     _layout_cell(x.get("layout"))])
     lim = result["limits"]
     mm = ", ".join(f"{d} {v['flops'] / 1e9:.1f} GFLOP/s" for d, v in lim["matmul"].items())
     return "\n".join([table(["side", "wall s", "generation s", "prefill tokens computed", "vs Ray Data LLM", "layout"],
@@ -226,3 +226,11 @@ def render(result: dict) -> str:
                       f"machine: matmul peak {mm}; copy {lim['copy']['copy_GBps']:.1f} GB/s; "
                       f"{result['machine'].get('cpu_count')} CPUs ({result['machine'].get('cpu', '')})", "",
                       targets_table(result["targets"], "target")])
+
+
+def _layout_cell(layout) -> str:
+    """The report's layout section in a few words: its mode, who chose it, its pools."""
+    if not isinstance(layout, dict):
+        return ""
+    pools = "+".join(f"{p['role']} x{p['replicas']}" for p in layout.get("pools") or [])
+    return f"{layout.get('mode', '')} ({layout.get('chosen_by', '')}: {pools})"

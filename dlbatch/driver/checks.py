@@ -44,9 +44,13 @@ class CheckedJob:
     restart_reason: str | None = None
 
 
-def check_job(spec, plan: dict | None = None, *, fresh: bool = False) -> CheckedJob:
-    """Every check of the module docstring, in order; raises `JobInvalid` at the first failure."""
+def check_job(spec, plan: dict | None = None, *, fresh: bool = False, on_config=None) -> CheckedJob:
+    """Every check of the module docstring, in order; raises `JobInvalid` at the first failure.
+    ``on_config(config)``, when given, is called once the configuration resolves, before the
+    inputs are listed (`dlbatch run` starts its workers there for a remote input)."""
     config = _config(spec, plan)
+    if on_config is not None:
+        on_config(config)
     files = _inputs(spec)
     columns = _fields(spec, files)
     manifest, restart = _output(spec, fresh)

@@ -23,7 +23,9 @@ import sys
 import time
 
 from dlbatch.output import openai_export
+from dlbatch.driver.early_start import starts_early
 from dlbatch.output.compaction import COMPACT_MIN_PARTS
+from dlbatch.report.timeline import StartupClock
 from dlbatch.workers.pools import MAX_RESTARTS, JobFailed, WorkerPools
 from dlbatch.transfer.errors import brief
 
@@ -81,17 +83,28 @@ class JobRunner:
         spec = self.spec
         t_start = time.time()
         io_retries_start = retry_count()
-        # before anything is written or started, what `dlbatch validate` checks (JobInvalid:
-        # exit 2): the backend runs here, the context every stage uses, the layout, the inputs
-        # and the fields the job reads, the output and a resume it would refuse
-        checked = check_job(spec, self.plan, fresh=self.fresh)
-        self._t_checked = time.time()
-        store = open_store(spec.output)  # Parquet parts or a Delta table: the format that wrote the output
-        store.files.take_lease(spec.name, "run --fresh" if self.fresh else "run")  # one writer per output
+        self._startup = StartupClock(t_start)
         try:
-            return self._run_leased(store, checked, t_start, io_retries_start)
+            # before anything is written, what `dlbatch validate` checks (JobInvalid: exit 2): the backend,
+            # context, layout, inputs, fields, output and resume; a remote input's workers start first
+            checked = check_job(spec, self.plan, fresh=self.fresh, on_config=self._start_early)
+            self._t_checked = time.time()
+            store = open_store(spec.output)  # Parquet parts or a Delta table: the format that wrote the output
+            store.files.take_lease(spec.name, "run --fresh" if self.fresh else "run")  # one writer per output
+            try:
+                return self._run_leased(store, checked, t_start, io_retries_start)
+            finally:
+                store.files.release_lease()
         finally:
-            store.files.release_lease()
+            if self.pools is not None:  # started early; the run ended before it used them
+                self.pools.stop()
+                self.pools = None
+
+    def _start_early(self, config) -> None:
+        """Workers loading while the inputs are listed, where that is network I/O (`early_start`)."""
+        if self.dataset is None and config.layout is not None and starts_early(self.spec, self.fresh):
+            self.pools = WorkerPools(config, self.resource_timeout_s)
+            self.pools.start(self._startup)
 
     def _run_leased(self, store, checked, t_start: float, io_retries_start: int) -> dict:
         from connectors.io_retry import retry_count
@@ -107,7 +120,7 @@ class JobRunner:
         store, manifest = self._writer(store, content)
         if self.dataset is not None:
             return self._run_dataset(store, config, content, t_start, io_retries_start)
-        report = RunReport(spec, self.plan, t_start)
+        report = RunReport(spec, self.plan, t_start, startup=self._startup)
         report.startup.span("checks", t_start, self._t_checked)  # the configuration, inputs listed, fields read
         listed = set(files)
         from dlbatch.driver.edits import supersede_changed
@@ -181,7 +194,8 @@ class JobRunner:
         store.files.write_json("_manifest.json", {"name": spec.name, "fingerprint": job_fingerprint(spec, content),
                                                   "fields": {**fingerprint_fields(spec), **content}, "inputs": None,
                                                   "limit": spec.input.limit, "complete": False, "started": t_start})
-        report = RunReport(spec, self.plan, t_start, already_done=prog["n_done"], already_failed=prog["n_failed"])
+        report = RunReport(spec, self.plan, t_start, already_done=prog["n_done"], already_failed=prog["n_failed"],
+                           startup=self._startup)
         skip = SkipSet(pa.concat_arrays([prog["done_ids"], prog["failed_ids"]]))
         out = self._run_pools(store, config, [], skip, report, docs_total_hint=None)
         out = out.finish(store, retries={"worker": out.retries, "io": retry_count() - io_retries_start})
@@ -225,13 +239,16 @@ class JobRunner:
         from dlbatch.driver.feed import BatchPrefetcher
 
         spec = self.spec
-        if config.layout is None:  # cluster: auto on an attached cluster: its chips decide
+        pools = self.pools  # started early (`_start_early`), or now
+        if pools is None and config.layout is None:  # cluster: auto on an attached cluster: its chips decide
             config = self._cluster_layout(config, report)
         report.layout = config.layout
-        pools = self.pools = WorkerPools(config, self.resource_timeout_s)
+        if pools is None:
+            pools = self.pools = WorkerPools(config, self.resource_timeout_s)
         prefetch = None
         try:
-            pools.start(report.startup)
+            if not pools.started:
+                pools.start(report.startup)
             t_data = time.time()  # documents are parsed and tokenized while the workers load the model
             prefetch = BatchPrefetcher(self.pipeline.build(spec, files, skip_docs, max_model_len=config.max_model_len,
                                                            dataset=self.dataset,

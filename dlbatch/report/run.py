@@ -95,13 +95,14 @@ class Tally:
 class RunReport:
     """Clocks and counts of one run, and the report written when it ends."""
 
-    def __init__(self, spec, plan: dict | None, t_start: float, already_done: int = 0, already_failed: int = 0):
+    def __init__(self, spec, plan: dict | None, t_start: float, already_done: int = 0, already_failed: int = 0,
+                 startup: StartupClock | None = None):
         self.spec, self.plan, self.t_start = spec, plan, t_start
         self.already_done, self.already_failed = already_done, already_failed
         self.inputs_deleted: list[str] = []  # sources with committed rows that the input no longer lists
         self.inputs_replaced: list[str] = []  # inputs whose content changed: old rows superseded, redone
         self.rows_edited = 0  # documents of table inputs edited since committed: old rows superseded, redone
-        self.startup = StartupClock(t_start)  # where the time before the first token went
+        self.startup = startup or StartupClock(t_start)  # where the time before the first token went
         self.gen = GenerationTimeline(t_start)  # tokens by the time workers generated them
         self.commits: list[dict] = []  # one point per commit: the commit-time timeline
         self.first_batch_at: float | None = None  # when the input pipeline's first batch came out
