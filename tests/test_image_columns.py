@@ -15,6 +15,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -356,3 +357,67 @@ def test_the_engine_counts_row_images_and_answers_a_url_batch_line(tmp_path, vlm
         assert isinstance(got, dict), got
         assert got["prompt_tokens"] == prompt_length(row), (row["doc_id"], row["task"])
         assert got["output_tokens"] > 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_a_jsonl_job_with_an_image_column_runs_on_vllm(tmp_path, vlm, served, raytmp):
+    """`dlbatch run` over a JSONL whose rows name their images (a data URL, a loopback URL, a
+    path; one URL that is not there): every task of the good rows committed, each row's
+    prompt_tokens (the engine's count) the prompt stage's, the bad row's dead letter naming
+    the column and the URL."""
+    from dlbatch.output.parquet_store import ParquetStore
+    from dlbatch.records import prompt_length
+    from tests.helpers.jobs import output_rows, start_run
+
+    src = _rows_file(tmp_path, served)
+    with open(src, "a") as f:
+        f.write(json.dumps({"id": "bad", "text": "Gone.", "fig": f"{served[1]}/gone.png"}) + "\n")
+    tasks = [COLUMN_TASKS[0], {**COLUMN_TASKS[1], "prompt": "{{ text }} Look: {{ image(1) }} What is it?"},
+             COLUMN_TASKS[2]]
+    job = _job(tmp_path, vlm, tasks, path=src)
+    extra = ["input.id_field=id", "model.engine_args.enforce_eager=true"]
+    out = str(tmp_path / "run")
+    with open(tmp_path / "run.log", "wb") as logf:
+        rc = start_run(job, out, extra, raytmp, logf).wait(timeout=900)
+    assert rc == 0, (tmp_path / "run.log").read_text()[-3000:]
+    (tmp_path / "stage").mkdir()
+    _, ours = _stage_rows(tmp_path / "stage", vlm, served)  # the same rows' prompts, built here
+    rows = {(r["doc_id"], r["task"]): r for r in output_rows(out)}
+    assert set(rows) == {(d, t) for d in ("two", "one") for t in ("all", "second", "text")} | {
+        ("none", "all"), ("none", "text")}
+    assert [rows[("two", t)]["images"] for t in ("all", "second", "text")] == [2, 1, 0]
+    assert all(r["output_tokens"] > 0 for r in rows.values())
+    for key in (("two", "all"), ("one", "all"), ("one", "text")):
+        assert rows[key]["prompt_tokens"] == prompt_length(ours[key])  # counted as the engine counts it
+    errors = {(e["doc_id"], e.get("task")): e for e in ParquetStore(out).errors().to_pylist()}
+    bad = errors[next(k for k in errors if k[0] == "bad")]
+    assert bad["error_type"] == "BadImage" and f"image column 'fig' value '{served[1]}/gone.png'" in bad["error"]
+    assert {k[0] for k in errors} == {"bad", "none"}  # the row without images: image(1) has none to place
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_validate_shows_each_rows_images_and_their_tokens(tmp_path, vlm, served, capsys, monkeypatch):
+    """`dlbatch validate` on a JSONL job with an image column: each image task's image count and
+    tokens per sampled row (a relative path read from the directory validate runs in), and a
+    row whose image is not there named as a dead letter."""
+    from dlbatch.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here.png").write_bytes(png((7, 7, 7), (120, 90)))
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "a", "text": "Two.", "fig": ["here.png", f"{served[1]}/red.png"]},
+        {"id": "b", "text": "Gone.", "fig": "gone.png"}]))
+    job = _job(tmp_path, vlm, COLUMN_TASKS, path=str(src), input={"format": "jsonl", "path": str(src),
+                                                                     "id_field": "id"})
+    rc = main(["validate", job, "--docs", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "task all: " in out and ", 2 images (" in out
+    assert "images per task in the 1 sampled documents (count, tokens):" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith(f"{src}#line1"))
+    m = re.search(r": all 2 \((\d+)\), second 1 \((\d+)\)$", line)  # the image tasks; both images 120x90
+    assert m and int(m.group(1)) == 2 * int(m.group(2)) > 0, line
+    assert f"{src}#line2: would be a dead letter: BadImage: image column 'fig' value 'gone.png'" in out
