@@ -160,6 +160,18 @@ def test_jsonl_and_parquet_rows_carry_their_images_or_a_dead_letter(tmp_path, se
     assert docs[1]["error"].startswith("BadImage: image column 'fig' value \"<12 bytes starting b'not an i'>\"")
 
 
+def test_a_ray_datasets_rows_carry_their_images_as_a_files_do():
+    import pyarrow as pa
+
+    from connectors.images import unpack_images
+    from connectors.ray_dataset import DatasetDocuments
+
+    table = pa.table({"id": ["p", "q"], "text": ["x", "y"], "fig": [[png((1, 1, 1)), png((2, 2, 2))], [b"GIF89a"]]})
+    docs = DatasetDocuments("text", "id", images=_request(["fig"]))(table).to_pylist()
+    assert [i["label"] for i in unpack_images(docs[0]["images"])] == ["fig 1", "fig 2"]
+    assert docs[1]["error_type"] == "BadImage" and docs[1]["doc_id"] == "q" and docs[1]["source"] == "dataset#q"
+
+
 # ------------------------------------------------------------------ the job file
 def _job(tmp_path, model, tasks, fmt="jsonl", path=None, **top) -> str:
     job = {"name": "cols", "pipeline": "papers", "input": {"format": fmt, "path": path or str(tmp_path / "rows.jsonl")},
