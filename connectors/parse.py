@@ -87,7 +87,8 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
                                           max_rows=task.max_rows, part=task.part,
                                           max_line_bytes=max_line_bytes, max_text_chars=max_text_chars))
             if images and images.get("columns"):  # a row's images: read and checked here, beside its text
-                out = [with_column_images(d, images, storage_options, url, max_file_bytes) for d in out]
+                out = [with_column_images(d, images, storage_options, url, max_file_bytes, id_field is not None)
+                       for d in out]
     except (FileNotFoundError, PermissionError, ParserUnavailable):
         raise
     except Exception as e:  # a file the reader cannot handle becomes a dead letter
@@ -114,9 +115,12 @@ def document_row(d: dict) -> dict:
                        "images": packed})
 
 
-def with_column_images(d: dict, request: dict, storage_options, input_url: str | None, max_bytes: int | None) -> dict:
+def with_column_images(d: dict, request: dict, storage_options, input_url: str | None, max_bytes: int | None,
+                       keep_id: bool = True) -> dict:
     """Row ``d`` with the images of its image columns (``request``: `dlbatch.prompts.multimodal.
-    parse_request`), or its dead letter (keeping its id) naming the column, the value and why."""
+    parse_request`), or its dead letter naming the column, the value and why: with the row's
+    id where it is the input's (``keep_id``: ``input.id_field``), else the hash of its source
+    (a content id would be shared by rows with one text and other images)."""
     if d.get("error"):
         return d
     from .columns import unpack
@@ -128,7 +132,8 @@ def with_column_images(d: dict, request: dict, storage_options, input_url: str |
                               max_pixels=request.get("max_pixels"), base=request.get("base"),
                               storage_options=storage_options, input_url=input_url, max_bytes=max_bytes)
     except ImageError as e:
-        return error_row(source=d["source"], doc_id=d["doc_id"], title=d.get("title"), error_type=e.error_type,
+        return error_row(source=d["source"], doc_id=d["doc_id"] if keep_id else None, title=d.get("title"),
+                         error_type=e.error_type,
                          error=f"{e.error_type}: {e}"[:500])
     return {**d, "images": found}
 

@@ -152,6 +152,10 @@ def test_jsonl_and_parquet_rows_carry_their_images_or_a_dead_letter(tmp_path, se
     assert by["c"]["error_type"] == "BadImage" and by["c"]["images"] is None
     assert by["c"]["error"].startswith(f"BadImage: image column 'fig' value '{url}/gone.png': cannot read it")
     assert by["d"]["error"] is None and by["d"]["images"] is None
+    # without input.id_field: a bad row's id is its line's (two rows may share a text, not a line)
+    src.write_text("".join(json.dumps({**x, "text": "same"}) + "\n" for x in lines[2:3] * 2))
+    twins = parse_file({"url": str(src)}, "jsonl", "text", None, None, None, images=_request(["fig"]))
+    assert [d["error_type"] for d in twins] == ["BadImage"] * 2 and twins[0]["doc_id"] != twins[1]["doc_id"]
     table = pa.table({"id": ["p", "q"], "text": ["x", "y"], "fig": [png((1, 1, 1)), b"not an image"]})
     pq.write_table(table, tmp_path / "rows.parquet")
     docs = parse_file({"url": str(tmp_path / "rows.parquet")}, "parquet", "text", "id", None, None,

@@ -4,12 +4,15 @@ own processor (docs/multimodal.md).
 
 A document's images arrive from the parse stage as compressed bytes with their labels
 (`connectors.images`: ``kind``, ``label``, ``page``, ``caption``, ``dpi``, ``format``, ``width``,
-``height``, ``data``, ``digest``). For a task with ``images:``, `MultimodalPrompts`:
+``height``, ``data``, ``digest``; a row's column images, `connectors.image_columns`, are of
+kind ``column`` with their ``column``). For a task with ``images:``, `MultimodalPrompts`:
 
-- gives its template the image variables (`variables`): ``page_images`` (the task's pages
-  and the document's scanned pages, in page order), ``page_image(n)``, ``figures`` (every
-  figure and table crop, each followed by its caption) and ``figure("Figure 3")`` (that crop
-  and its caption); each image is a marker in the rendered text (`MARK`), never the bytes;
+- gives its template the image variables (`variables`): of a PDF, ``page_images`` (the
+  task's pages and the document's scanned pages, in page order), ``page_image(n)``,
+  ``figures`` (every figure and table crop, each followed by its caption) and
+  ``figure("Figure 3")`` (that crop and its caption); of a PDF or a row, ``images`` (all of
+  the task's images: a row's of the task's ``column``) and ``image(n)`` (the n-th, 1-based);
+  each image is a marker in the rendered text (`MARK`), never the bytes;
 - splits the rendered prompt at the markers into a chat message's content parts, text and
   ``{"type": "image"}``; a template that places no image gets the task's images first (its
   pages, then its figures with their captions), so the tasks of a document share them as
