@@ -211,8 +211,9 @@ def test_the_job_refuses_images_its_input_cannot_give(tmp_path, vlm):
 
 
 # ------------------------------------------------------------------ identity
-def test_an_edited_image_is_a_new_version_of_its_row(tmp_path, vlm):
+def test_an_edited_image_is_a_new_version_of_its_row(tmp_path, vlm, monkeypatch):
     from connectors.parse import parse_file
+    from dlbatch.driver.edits import current_versions
     from dlbatch.prompts.doc_identity import DocIdentity
     from dlbatch.prompts.multimodal import parse_request
 
@@ -233,6 +234,8 @@ def test_an_edited_image_is_a_new_version_of_its_row(tmp_path, vlm):
     (tmp_path / "fig.png").write_bytes(png((2, 2, 2)))  # the same path, other bytes
     after = doc()
     assert after["doc_version"] != before["doc_version"] and after["doc_id"] != before["doc_id"]
+    monkeypatch.chdir(tmp_path)  # the driver's edit check reads the row as the stream does, its images too
+    assert current_versions(spec, ident, str(src)) == ({after["doc_id"]: after["doc_version"]}, set())
     text_only = DocIdentity.for_job(load_job(_job(tmp_path, vlm, [{"name": "t", "prompt": "{{ text }}"}])))
     assert text_only.apply(after)["doc_version"] == text_only.apply(before)["doc_version"]
 
