@@ -9,7 +9,8 @@ value is one image or a list of them; each image is
 * a path or URL: a local path (a relative one from ``base``, the directory the job runs in,
   as every data path of a job file: docs/jobs.md) or any fsspec URL (``file://``, ``s3://``,
   ``http(s)://``, ...), read with the input's storage options where its scheme is the
-  input's own, and at most ``max_bytes`` bytes of it (``input.max_file_bytes``).
+  input's own, at most ``max_bytes`` bytes of it (``input.max_file_bytes``), an http(s)
+  URL within ``input.parse_timeout_s`` seconds.
 
 Each image is checked, never decoded: its format sniffed from its first bytes (PNG, JPEG or
 WebP only), its size read by PIL from the header, its pixels and the document's image count
@@ -35,6 +36,7 @@ from .images import IMAGE_BUDGET, MAGIC_BYTES, MAX_IMAGES, MAX_PIXELS, ImageBudg
 
 BAD_IMAGE = "BadImage"
 KIND = "column"
+READ_KEYS = ("base", "storage_options", "input_url", "max_bytes", "timeout_s")  # read_image_url's keywords
 
 
 class ImageError(ValueError):
@@ -85,9 +87,12 @@ def checked_image(data: bytes) -> tuple[str, int, int]:
 
 
 def read_image_url(url: str, *, base: str | None = None, storage_options: dict | None = None,
-                   input_url: str | None = None, max_bytes: int | None = None) -> bytes:
-    """The bytes at ``url`` (a path or fsspec URL; module docstring), at most ``max_bytes``.
-    Raises ValueError naming the reason: not found, unreadable, too large."""
+                   input_url: str | None = None, max_bytes: int | None = None,
+                   timeout_s: float | None = None) -> bytes:
+    """The bytes at ``url`` (a path or fsspec URL; module docstring), at most ``max_bytes``; an
+    http(s) URL within ``timeout_s`` seconds (``input.parse_timeout_s``) unless the storage
+    options give their own ``client_kwargs``. Raises ValueError naming the reason: not found,
+    unreadable, no answer in time, too large."""
     import fsspec
 
     from .io_retry import call_with_retry
@@ -95,6 +100,10 @@ def read_image_url(url: str, *, base: str | None = None, storage_options: dict |
 
     target = _resolved(url, base)
     options = resolve_options(storage_options) if _scheme(target) == _scheme(input_url or "") else {}
+    if timeout_s and _scheme(target) in ("http", "https") and "client_kwargs" not in options:
+        import aiohttp
+
+        options = {**options, "client_kwargs": {"timeout": aiohttp.ClientTimeout(total=float(timeout_s))}}
 
     def read():
         with masked():
@@ -111,6 +120,8 @@ def read_image_url(url: str, *, base: str | None = None, storage_options: dict |
         if isinstance(e, FileNotFoundError) and cause is None:
             raise ValueError(f"no such file or URL ({target})") from None
         why = cause if isinstance(e, FileNotFoundError) else e
+        if isinstance(why, TimeoutError):
+            raise ValueError(f"no answer in {timeout_s:g} s (input.parse_timeout_s)") from None
         raise ValueError(redact(f"cannot read it ({type(why).__name__}: {why})")[:300]) from None
     if max_bytes is not None and len(data) > max_bytes:
         raise ValueError(f"it is over input.max_file_bytes={max_bytes} bytes; not read")

@@ -357,7 +357,7 @@ def _content_parts(content: list, where: str, role: str, images: dict | None = N
 
 def _image(url: str, at: str, images: dict | None, budget) -> bytes:
     """An image part's compressed bytes (`_content_parts`); `InvalidRequest` naming ``at``."""
-    from .image_columns import BAD_IMAGE, checked_image, read_image_url
+    from .image_columns import BAD_IMAGE, READ_KEYS, checked_image, read_image_url
     from .images import IMAGE_BUDGET, ImageBudgetExceeded, data_url_image
 
     if url.startswith("data:"):
@@ -366,7 +366,7 @@ def _image(url: str, at: str, images: dict | None, budget) -> bytes:
         except ValueError as e:
             raise InvalidRequest(f"{at}: {e}") from None
     else:
-        read = {k: v for k, v in (images or {}).items() if k in ("base", "storage_options", "input_url", "max_bytes")}
+        read = {k: v for k, v in (images or {}).items() if k in READ_KEYS}
         try:
             data = read_image_url(url, **read)
         except ValueError as e:

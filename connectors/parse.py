@@ -130,7 +130,8 @@ def with_column_images(d: dict, request: dict, storage_options, input_url: str |
     try:
         found = column_images(unpack(d.get("columns")), request["columns"], max_images=request.get("max_images"),
                               max_pixels=request.get("max_pixels"), base=request.get("base"),
-                              storage_options=storage_options, input_url=input_url, max_bytes=max_bytes)
+                              storage_options=storage_options, input_url=input_url, max_bytes=max_bytes,
+                              timeout_s=request.get("timeout_s"))
     except ImageError as e:
         return error_row(source=d["source"], doc_id=d["doc_id"] if keep_id else None, title=d.get("title"),
                          error_type=e.error_type,

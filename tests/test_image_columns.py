@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import yaml
@@ -53,6 +54,11 @@ def served(tmp_path_factory):
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
+
+        def send_head(self):
+            if self.path.startswith("/slow"):  # a server that does not answer in time
+                time.sleep(3)
+            return super().send_head()
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -110,7 +116,7 @@ def test_a_bad_value_names_the_column_the_value_and_why(tmp_path, served, value,
     assert e.value.error_type == "BadImage"
 
 
-def test_the_budget_bounds_images_pixels_and_bytes(tmp_path):
+def test_the_budget_bounds_images_pixels_bytes_and_time(tmp_path, served):
     from connectors.image_columns import ImageError, column_images
 
     four = [png((i, i, i), (100, 100)) for i in range(4)]
@@ -123,6 +129,8 @@ def test_the_budget_bounds_images_pixels_and_bytes(tmp_path):
     (tmp_path / "big.png").write_bytes(four[0])
     with pytest.raises(ImageError, match=r"over input.max_file_bytes=100 bytes; not read"):
         column_images({"fig": str(tmp_path / "big.png")}, ["fig"], max_bytes=100)
+    with pytest.raises(ImageError, match=r"'http://.*/slow.png': no answer in 0.5 s \(input.parse_timeout_s\)"):
+        column_images({"fig": f"{served[1]}/slow.png"}, ["fig"], timeout_s=0.5)
     with pytest.raises(ImageError, match=r"image column 'photo': the row has no such column \(its columns: fig\)"):
         column_images({"fig": four}, ["photo"])
 
@@ -192,6 +200,9 @@ def test_the_job_refuses_images_its_input_cannot_give(tmp_path, vlm):
     col = {"name": "look", "prompt": "{{ images }}What is this?", "images": {"column": "fig"}}
     spec = load_job(_job(tmp_path, vlm, [col]))
     assert spec.tasks[0].images.column == "fig"
+    from dlbatch.jobspec import parse_job
+
+    assert parse_job(spec.to_dict()) == spec  # a dumped spec (every images key spelled) loads again
     papers = os.path.join(REPO, "samples", "papers")
     with pytest.raises(JobSpecError, match=r"tasks.0.images.column: task 'look' takes its images from the column "
                                            r"'fig' of a row, and pdf inputs have no such rows"):
@@ -199,7 +210,7 @@ def test_the_job_refuses_images_its_input_cannot_give(tmp_path, vlm):
     with pytest.raises(JobSpecError, match=r"tasks.0.images: task 'p': page images and figure crops come from PDF "
                                            r"inputs, not jsonl; a row's images come from a column"):
         load_job(_job(tmp_path, vlm, [{"name": "p", "prompt": "{{ text }}", "images": {"pages": [1]}}]))
-    with pytest.raises(JobSpecError, match=r"task 'both': images.column takes the row's images; dpi, pages are how"):
+    with pytest.raises(JobSpecError, match=r"task 'both': images.column takes the row's images; pages, dpi are how"):
         load_job(_job(tmp_path, vlm, [{"name": "both", "prompt": "{{ images }}",
                                        "images": {"column": "fig", "pages": [1], "dpi": 72}}]))
     with pytest.raises(JobSpecError, match=r"task 'f' uses figure, a PDF's images, but takes its images from "

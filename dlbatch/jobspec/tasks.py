@@ -151,7 +151,9 @@ class TaskSpec(BaseModel):
             raise ValueError(f"task {self.name!r}: long_inputs chunk does not map images over chunks; use "
                              "truncate, middle or skip")
         if self.images is not None and self.images.column is not None:
-            pdf = sorted(self.images.model_fields_set & {"pages", "figures", "dpi", "format"})
+            im = self.images  # the PDF keys at their defaults (a dumped spec spells them) are not asked for
+            pdf = [k for k, off in (("pages", None), ("figures", False), ("dpi", 144), ("format", "png"))
+                   if getattr(im, k) != off]
             if pdf:
                 raise ValueError(f"task {self.name!r}: images.column takes the row's images; {', '.join(pdf)} "
                                  "are how a PDF's pages and figures are rendered: give one or the other")

@@ -73,7 +73,8 @@ def parse_request(spec) -> dict | None:
     images: ``renders``, a PDF's (`connectors.images.render_images`' request), and
     ``columns``, a row's image columns (`connectors.image_columns.column_images`), with
     ``base``, the directory relative image paths are read from (this process's: the job's
-    data paths are found from where it runs, docs/jobs.md), and the per-document budget."""
+    data paths are found from where it runs, docs/jobs.md), the per-document budget and the
+    seconds an http(s) image may take."""
     import os
 
     renders, columns = [], []
@@ -88,7 +89,7 @@ def parse_request(spec) -> dict | None:
     if not renders and not columns:
         return None
     return {"renders": renders, "columns": columns, "base": os.getcwd(), "max_images": spec.input.max_images,
-            "max_pixels": spec.input.max_image_pixels}
+            "max_pixels": spec.input.max_image_pixels, "timeout_s": spec.input.parse_timeout_s}
 
 
 def has_images(spec) -> bool:

@@ -344,7 +344,8 @@ class BatchLinePrompts:
         """``image_read``: overrides of how image URLs are read (`connectors.image_columns.
         read_image_url`'s keywords) and bounded; by default relative paths from this process's
         directory, the job's input storage options where a URL's scheme is the input's, at
-        most input.max_file_bytes bytes an image and input.max_images / max_image_pixels a line."""
+        most input.max_file_bytes bytes and input.parse_timeout_s seconds an image, and
+        input.max_images / max_image_pixels a line."""
         import os
 
         self.spec, self.tok, self.encoder, self.max_model_len = spec, tok, encoder, max_model_len
@@ -352,7 +353,7 @@ class BatchLinePrompts:
         inp = spec.input
         self.image_read = {"base": os.getcwd(), "storage_options": dict(inp.storage_options), "input_url": inp.path,
                            "max_bytes": inp.max_file_bytes, "max_images": inp.max_images,
-                           "max_pixels": inp.max_image_pixels, **(image_read or {})}
+                           "max_pixels": inp.max_image_pixels, "timeout_s": inp.parse_timeout_s, **(image_read or {})}
 
     def rows(self, base: dict, doc: dict) -> list[dict]:
         """An OpenAI batch request line (connectors/openai_batch.py) -> its request row(s): one
