@@ -85,6 +85,21 @@ def images_digest(images: list[dict]) -> str:
     return h.hexdigest()
 
 
+def packed_digest(blob: bytes | None) -> str | None:
+    """`images_digest` of a `pack_images` value, from its header alone; None for no images."""
+    if not blob:
+        return None
+    blob = bytes(blob)
+    if not blob.startswith(MAGIC):
+        raise ValueError("not a packed image list (no DLBI1 header)")
+    (n,) = _LEN.unpack_from(blob, len(MAGIC))
+    start = len(MAGIC) + _LEN.size
+    h = hashlib.sha256()
+    for m in json.loads(blob[start:start + n]):
+        h.update(bytes.fromhex(m["digest"]))
+    return h.hexdigest()
+
+
 # ------------------------------------------------------------------ images given inline
 MAGIC_BYTES = {"png": (b"\x89PNG\r\n\x1a\n",), "jpeg": (b"\xff\xd8\xff",), "webp": (b"RIFF",)}
 DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp);base64,(.*)", re.DOTALL)
@@ -129,7 +144,7 @@ def selected_pages(pages, count: int) -> list[int]:
 def render_images(doc, pages_read: int, request: dict) -> list[dict]:
     """The images ``request`` asks of the open pymupdf ``doc`` (its first ``pages_read``
     pages): ``{"renders": [{pages, figures, dpi, format}], "max_images", "max_pixels"}``."""
-    budget = _Budget(int(request.get("max_images") or MAX_IMAGES), int(request.get("max_pixels") or MAX_PIXELS))
+    budget = ImageBudget(int(request.get("max_images") or MAX_IMAGES), int(request.get("max_pixels") or MAX_PIXELS))
     out: list[dict] = []
     seen: set = set()
     renders = request.get("renders") or []
@@ -149,7 +164,9 @@ def render_images(doc, pages_read: int, request: dict) -> list[dict]:
     return out
 
 
-class _Budget:
+class ImageBudget:
+    """A document's image budget: at most ``max_images`` images and ``max_pixels`` pixels together."""
+
     def __init__(self, max_images: int, max_pixels: int):
         self.max_images, self.max_pixels, self.images, self.pixels = max_images, max_pixels, 0, 0
 
@@ -164,7 +181,7 @@ class _Budget:
                                       f"input.max_image_pixels={self.max_pixels:,}")
 
 
-def _add(out: list, seen: set, budget: _Budget, page, kind: str, label: str, number: int, caption: str, rect,
+def _add(out: list, seen: set, budget: ImageBudget, page, kind: str, label: str, number: int, caption: str, rect,
          r: dict) -> None:
     import pymupdf
 

@@ -24,8 +24,9 @@ Invariants:
   ``url`` one of `URLS`, ``body`` an object); the body is checked by `translate`, which the
   prompt stage calls with the job's model name: every problem of a body raises
   `InvalidRequest` naming the body key, and becomes that line's dead letter, never the job's;
-* a user message's ``image_url`` parts (data: URLs only) become its images, compressed bytes
-  the prompt stage hands the model's processor (docs/multimodal.md).
+* a user message's ``image_url`` parts become its images, compressed bytes the prompt stage
+  hands the model's processor: a data: URL decoded, any other URL (http(s), s3, a path)
+  read with fsspec, each checked and within the line's image budget (docs/multimodal.md).
 """
 from __future__ import annotations
 
@@ -205,7 +206,7 @@ def check_custom_ids(files, max_line_bytes: int | None = MAX_LINE_BYTES) -> None
 # ------------------------------------------------------------------ a body -> a request
 
 
-def translate(url: str, body: Any, model: str | tuple[str, ...], adapters=()) -> dict:
+def translate(url: str, body: Any, model: str | tuple[str, ...], adapters=(), images: dict | None = None) -> dict:
     """A request body -> ``{"chat": bool, "messages" (chat) | "prompt" (completions),
     "max_tokens": int | None (None: the body sets none), "seed": int | None, "sampling": {...},
     "adapter": str | None}``. ``body.model`` is the job's ``model`` or, as vLLM's server takes
@@ -218,7 +219,8 @@ def translate(url: str, body: Any, model: str | tuple[str, ...], adapters=()) ->
     Keys the body leaves out (or sets to null) are the job's ``sampling``. ``model``: the name
     (or names: ``model.name`` and ``model.served_model_name``) a body may give. Raises
     `InvalidRequest` naming the body key: a model other than those (``ModelMismatch``), a key
-    that would change the output and is not honoured (``UnsupportedParameter``), a bad value."""
+    that would change the output and is not honoured (``UnsupportedParameter``), a bad value.
+    ``images``: how the line's image URLs are read and bounded (`_content_parts`)."""
     if not isinstance(body, dict):
         raise InvalidRequest(f"body must be a JSON object, got {_short(body)}")
     chat = url == CHAT_URL
@@ -244,7 +246,7 @@ def translate(url: str, body: Any, model: str | tuple[str, ...], adapters=()) ->
         raise InvalidRequest(f"body.{k} is not supported by this batch engine ({url}); remove it", "UnsupportedParameter")
     out: dict[str, Any] = {"chat": chat, "max_tokens": None, "seed": None, "adapter": got if got not in names else None}
     if chat:
-        out["messages"] = _messages(given.get("messages"))
+        out["messages"] = _messages(given.get("messages"), images)
     else:
         out["prompt"] = _prompt(given.get("prompt"))
     smp: dict[str, Any] = {}
@@ -293,10 +295,12 @@ def translate(url: str, body: Any, model: str | tuple[str, ...], adapters=()) ->
     return out
 
 
-def _messages(messages: Any) -> list[dict]:
+def _messages(messages: Any, images: dict | None = None) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest(f"body.messages must be a non-empty list of messages, got {_short(messages)}")
-    out = []
+    from .image_columns import image_budget
+
+    out, budget = [], image_budget(images)
     for i, m in enumerate(messages):
         where = f"body.messages[{i}]"
         if not isinstance(m, dict):
@@ -310,18 +314,21 @@ def _messages(messages: Any) -> list[dict]:
             raise InvalidRequest(f"{where}.{extra[0]} is not supported", "UnsupportedParameter")
         content = m.get("content")
         if isinstance(content, list):
-            content = _content_parts(content, where, ROLES[role])
+            content = _content_parts(content, where, ROLES[role], images, budget)
         if not isinstance(content, (str, list)):
             raise InvalidRequest(f"{where}.content must be a string or a list of content parts, got {_short(content)}")
         out.append({"role": ROLES[role], "content": content})
     return out
 
 
-def _content_parts(content: list, where: str, role: str) -> str | list[dict]:
+def _content_parts(content: list, where: str, role: str, images: dict | None = None,
+                   budget=None) -> str | list[dict]:
     """A message's content parts -> its text (text parts only), or, with images, the parts:
     ``{"type": "text", "text"}`` and ``{"type": "image", "data": bytes}`` (an ``image_url``
-    part's data URL decoded to the compressed image: docs/multimodal.md)."""
-    from .images import data_url_image
+    part's image as compressed bytes: a data URL decoded, any other URL read with fsspec,
+    `connectors.image_columns.read_image_url` with the keywords ``images`` gives; each
+    checked and charged to the line's ``budget``, `connectors.images.ImageBudget`:
+    docs/multimodal.md). An image that cannot be read or is not one: ``BadImage``."""
 
     parts = []
     for j, part in enumerate(content):
@@ -339,20 +346,40 @@ def _content_parts(content: list, where: str, role: str) -> str | list[dict]:
             if img.get("detail", "auto") != "auto":
                 raise InvalidRequest(f"{at}.image_url.detail {_short(img['detail'])} is not supported (only "
                                      "'auto': the model's processor sizes the image)", "UnsupportedParameter")
-            if not url.startswith("data:"):
-                raise InvalidRequest(f"{at}.image_url.url {_short(url)}: only data: URLs are supported (the batch "
-                                     "engine fetches no URL); inline the image as data:image/png;base64,...",
-                                     "UnsupportedParameter")
-            try:
-                parts.append({"type": "image", "data": data_url_image(url)})
-            except ValueError as e:
-                raise InvalidRequest(f"{at}.image_url.url: {e}") from None
+            parts.append({"type": "image", "data": _image(url, f"{at}.image_url.url", images, budget)})
         else:
             raise InvalidRequest(f"{at}.type {_short(kind)} is not supported (text and image_url parts)",
                                  "UnsupportedParameter")
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
     return parts
+
+
+def _image(url: str, at: str, images: dict | None, budget) -> bytes:
+    """An image part's compressed bytes (`_content_parts`); `InvalidRequest` naming ``at``."""
+    from .image_columns import BAD_IMAGE, READ_KEYS, checked_image, read_image_url
+    from .images import IMAGE_BUDGET, ImageBudgetExceeded, data_url_image
+
+    if url.startswith("data:"):
+        try:
+            data = data_url_image(url)
+        except ValueError as e:
+            raise InvalidRequest(f"{at}: {e}") from None
+    else:
+        read = {k: v for k, v in (images or {}).items() if k in READ_KEYS}
+        try:
+            data = read_image_url(url, **read)
+        except ValueError as e:
+            raise InvalidRequest(f"{at} {_short(url)}: {e}", BAD_IMAGE) from None
+    try:
+        fmt, width, height = checked_image(data)
+        if budget is not None:
+            budget.charge(f"image {_short(url, 40)} ({width}x{height})", width * height)
+    except ImageBudgetExceeded as e:
+        raise InvalidRequest(f"{at}: {e}", IMAGE_BUDGET) from None
+    except ValueError as e:
+        raise InvalidRequest(f"{at} {_short(url)}: {e}", BAD_IMAGE) from None
+    return data
 
 
 def _prompt(prompt: Any) -> str:

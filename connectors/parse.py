@@ -64,7 +64,8 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
     the whole file) -> its documents, error rows for bad ones. A task that fails as a whole is
     one error row naming the file (and the part: `ReadTask.source`). ``images``: the page
     images and figure crops a PDF's tasks ask for (`connectors.images`), rendered in the
-    parser process beside the text, under the same caps."""
+    parser process beside the text, under the same caps; or the image columns of a table
+    input's rows (``images["columns"]``: `connectors.image_columns`), read and checked here."""
     from .isolate import ParserUnavailable
     from .listing import read_document_file
     from .read_tasks import ReadTask
@@ -85,6 +86,9 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
                                           storage_options=storage_options, max_pages=max_pages,
                                           max_rows=task.max_rows, part=task.part,
                                           max_line_bytes=max_line_bytes, max_text_chars=max_text_chars))
+            if images and images.get("columns"):  # a row's images: read and checked here, beside its text
+                out = [with_column_images(d, images, storage_options, url, max_file_bytes, id_field is not None)
+                       for d in out]
     except (FileNotFoundError, PermissionError, ParserUnavailable):
         raise
     except Exception as e:  # a file the reader cannot handle becomes a dead letter
@@ -109,6 +113,30 @@ def document_row(d: dict) -> dict:
                        "error_type": d.get("error_type"), "structure": structure,
                        "columns": d.get("columns"), "text_truncated_chars": d.get("text_truncated_chars"),
                        "images": packed})
+
+
+def with_column_images(d: dict, request: dict, storage_options, input_url: str | None, max_bytes: int | None,
+                       keep_id: bool = True) -> dict:
+    """Row ``d`` with the images of its image columns (``request``: `dlbatch.prompts.multimodal.
+    parse_request`), or its dead letter naming the column, the value and why: with the row's
+    id where it is the input's (``keep_id``: ``input.id_field``), else the hash of its source
+    (a content id would be shared by rows with one text and other images)."""
+    if d.get("error"):
+        return d
+    from .columns import unpack
+    from .image_columns import ImageError, column_images
+    from .records import error_row
+
+    try:
+        found = column_images(unpack(d.get("columns")), request["columns"], max_images=request.get("max_images"),
+                              max_pixels=request.get("max_pixels"), base=request.get("base"),
+                              storage_options=storage_options, input_url=input_url, max_bytes=max_bytes,
+                              timeout_s=request.get("timeout_s"))
+    except ImageError as e:
+        return error_row(source=d["source"], doc_id=d["doc_id"] if keep_id else None, title=d.get("title"),
+                         error_type=e.error_type,
+                         error=f"{e.error_type}: {e}"[:500])
+    return {**d, "images": found}
 
 
 def _too_large(url: str, fmt: str, storage_options: dict | None, max_file_bytes: int | None) -> dict | None:

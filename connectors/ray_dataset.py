@@ -18,13 +18,17 @@ SOURCE = "dataset"
 class DatasetDocuments:
     """``map_batches`` over the user's dataset (Arrow batches) -> document rows (`parse.py`'s shape)."""
 
-    def __init__(self, text_field: str, id_field: str | None):
+    def __init__(self, text_field: str, id_field: str | None, images: dict | None = None,
+                 storage_options: dict | None = None, max_image_bytes: int | None = None):
+        """``images``: the job's image columns (`dlbatch.prompts.multimodal.parse_request`),
+        read here as the parse stage reads a file's (`connectors.parse.with_column_images`)."""
         self.text_field, self.id_field = text_field, id_field
+        self.images, self.storage_options, self.max_image_bytes = images, storage_options, max_image_bytes
 
     def __call__(self, batch):
         import pyarrow as pa
 
-        from .parse import document_row
+        from .parse import document_row, with_column_images
         from .records import record_to_row
 
         table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
@@ -32,6 +36,9 @@ class DatasetDocuments:
         for i, record in enumerate(table.to_pylist()):
             row = record_to_row(record, SOURCE, self.text_field, self.id_field, arrow=table.slice(i, 1))
             row["source"] = f"{SOURCE}#{row['doc_id']}"
+            if self.images and self.images.get("columns"):
+                row = with_column_images(row, self.images, self.storage_options, None, self.max_image_bytes,
+                                         self.id_field is not None)
             out.append(document_row(row))
         return pa.Table.from_pylist(out, schema=document_schema())
 
@@ -42,4 +49,5 @@ def document_schema():
 
     return pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("text", pa.string()),
                       ("title", pa.string()), ("pages", pa.int64()), ("error", pa.string()),
-                      ("error_type", pa.string()), ("structure", pa.string()), ("columns", pa.binary())])
+                      ("error_type", pa.string()), ("structure", pa.string()), ("columns", pa.binary()),
+                      ("images", pa.binary())])

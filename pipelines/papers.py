@@ -79,7 +79,7 @@ def build(spec, files: list[str], skip_doc_ids, *, max_model_len: int, parse_con
     plan's pools); else from the job's cluster section (`data_plane_cores`)."""
     import ray
 
-    from connectors.secrets import without_storage_options
+    from connectors.secrets import seal, without_storage_options
     from dlbatch.prompts.skip import SkipSet
     from dlbatch.prompts.stage import PromptStage
 
@@ -91,7 +91,10 @@ def build(spec, files: list[str], skip_doc_ids, *, max_model_len: int, parse_con
                                                                 skip_doc_ids=(skip_doc_ids if isinstance(skip_doc_ids, SkipSet)
                                                                               else SkipSet(skip_doc_ids)),
                                                                 map_reduce=True, max_model_len=max_model_len,
-                                                                preprocess=preprocess),
+                                                                preprocess=preprocess,
+                                                                image_read=dict(base=os.getcwd(),  # batch lines' URLs
+                                                                                storage_options=seal(
+                                                                                    spec.input.storage_options))),
                         batch_size=None, batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi), num_cpus=0.25)
     return ds
@@ -122,7 +125,7 @@ def _documents(spec, files: list[str]):
                                                   parse_memory_mb=inp.parse_memory_mb,
                                                   max_line_bytes=inp.max_line_bytes,
                                                   max_text_chars=inp.max_text_chars,
-                                                  images=parse_request(spec)),  # a PDF's page images, figures
+                                                  images=parse_request(spec)),  # a PDF's pages and figures, a row's image columns
                        num_cpus=0.25), max(1, len(groups))
 
 
@@ -132,9 +135,13 @@ def _dataset_documents(spec, dataset):
     import ray
 
     from connectors.ray_dataset import DatasetDocuments
+    from connectors.secrets import seal
+    from dlbatch.prompts.multimodal import parse_request
 
-    if spec.input.limit is not None:
-        dataset = dataset.limit(spec.input.limit)
-    return dataset.map_batches(DatasetDocuments, fn_constructor_kwargs=dict(text_field=spec.input.text_field,
-                                                                            id_field=spec.input.id_field),
+    inp = spec.input
+    if inp.limit is not None:
+        dataset = dataset.limit(inp.limit)
+    return dataset.map_batches(DatasetDocuments, fn_constructor_kwargs=dict(
+                                   text_field=inp.text_field, id_field=inp.id_field, images=parse_request(spec),
+                                   storage_options=seal(inp.storage_options), max_image_bytes=inp.max_file_bytes),
                                batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)

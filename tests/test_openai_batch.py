@@ -84,8 +84,8 @@ def test_completions_keys_are_translated():
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "InvalidRequest", ["body.messages[0].content[0].image_url.url"]),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
-     "UnsupportedParameter", ["body.messages[0].content[0].image_url.url", "only data: URLs"]),
+        {"type": "image_url", "image_url": {"url": "file:///nonexistent/dlbatch/a.png"}}]}]},
+     "BadImage", ["body.messages[0].content[0].image_url.url", "no such file or URL"]),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
      "InvalidRequest", ["body.messages[0].content[0].image_url.url", "not a PNG image"]),

@@ -34,7 +34,8 @@ def test_renders_every_task_in_order_with_all_variables():
     ]
     assert set(TEMPLATE_VARIABLES) == {"text", "title", "doc_id", "source", "pages", "abstract", "references",
                                        "text_without_references", "section", "row",
-                                       "page_images", "page_image", "figures", "figure"}  # docs/multimodal.md
+                                       "page_images", "page_image", "figures", "figure", "images",
+                                       "image"}  # docs/multimodal.md
 
 
 def test_rendering_is_verbatim_no_html_escaping_and_trailing_newline_kept():

@@ -77,12 +77,15 @@ def current_versions(spec, identity, url: str) -> tuple[dict[str, str], set[str]
     parse}), read as the stream reads it (`connectors.parse.parse_file`)."""
     from connectors.parse import parse_file
     from connectors.repair import repair_row
+    from dlbatch.prompts.multimodal import parse_request
 
     inp = spec.input
+    # a row's column images are part of its version: read here as the stream reads them
+    request = parse_request(spec) if identity.image_columns else None
     rows = parse_file({"url": url}, inp.format, inp.text_field, inp.id_field, dict(inp.storage_options),
                       inp.max_pages, max_file_bytes=inp.max_file_bytes, parse_timeout_s=inp.parse_timeout_s,
                       parse_memory_mb=inp.parse_memory_mb, max_line_bytes=inp.max_line_bytes,
-                      max_text_chars=inp.max_text_chars)
+                      max_text_chars=inp.max_text_chars, images=request)
     good, bad = {}, set()
     for row in rows:
         doc = identity.apply(repair_row(row))

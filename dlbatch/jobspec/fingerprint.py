@@ -70,7 +70,10 @@ def fingerprint_fields(spec: JobSpec) -> dict[str, Any]:
         if task.adapter is not None:
             fields[f"tasks.{task.name}.adapter"] = task.adapter
         if task.images is not None:
-            fields[f"tasks.{task.name}.images"] = task.images.model_dump()
+            dump = task.images.model_dump()
+            if dump["column"] is None:  # a PDF task: its render settings (pages, figures, dpi, format)
+                del dump["column"]
+            fields[f"tasks.{task.name}.images"] = dump
     if "chunk" in {spec.long_inputs, *(t.long_inputs for t in spec.tasks)}:
         for key, value in spec.chunking.model_dump().items():
             fields[f"chunking.{key}"] = value

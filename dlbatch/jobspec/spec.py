@@ -130,15 +130,24 @@ class JobSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_images(self) -> "JobSpec":
-        """Tasks with images: PDF inputs, not map-reduced, on a backend that runs images."""
+        """Tasks with images: a PDF's pages and figures from PDF inputs, a row's image column
+        from inputs whose rows have columns; not map-reduced; on a backend that runs images."""
+        from connectors.formats import input_format
         from dlbatch.backends import backend_class
 
+        fmt = self.input.format
+        rows = input_format(fmt).has_columns and input_format(fmt).id_field is None  # not openai_batch lines
         for i, t in enumerate(self.tasks):
             if t.images is None:
                 continue
-            if self.input.format != "pdf":
-                raise ValueError(f"tasks.{i}.images: page images and figure crops come from PDF inputs, not "
-                                 f"{self.input.format} (docs/multimodal.md)")
+            if t.images.column is not None and not rows:
+                raise ValueError(f"tasks.{i}.images.column: task {t.name!r} takes its images from the column "
+                                 f"{t.images.column!r} of a row, and {fmt} inputs have no such rows (jsonl, parquet, "
+                                 "hf, dataset do); a PDF's images are images: {pages: ..., figures: true}")
+            if t.images.column is None and fmt != "pdf":
+                raise ValueError(f"tasks.{i}.images: task {t.name!r}: page images and figure crops come from PDF "
+                                 f"inputs, not {fmt}; a row's images come from a column: images: {{column: <name>}} "
+                                 "(docs/multimodal.md)")
             if (t.long_inputs or self.long_inputs) == "chunk":
                 raise ValueError(f"tasks.{i}.images: long_inputs chunk does not map images over chunks; give the "
                                  "task long_inputs truncate, middle or skip")

@@ -99,10 +99,13 @@ LongInputPolicy = Literal["truncate", "middle", "skip", "chunk"]
 
 
 class TaskImagesSpec(BaseModel):
-    """A task's images of a PDF (docs/multimodal.md): its page images and figure crops,
-    rendered in the parse process; scanned pages (no text layer) always come with them."""
+    """A task's images (docs/multimodal.md): of a PDF, its page images and figure crops,
+    rendered in the parse process (scanned pages, with no text layer, always come with
+    them); of a table input's row, the images its ``column`` holds or names, read in the
+    parse process."""
     model_config = STRICT
 
+    column: Optional[str] = Field(None, min_length=1)  # a JSONL/Parquet/hf row's image column (not with pages/figures)
     pages: Optional[Union[list[int], str]] = None  # [1, 2], "all" or "first:N"; null: none (scanned pages still)
     figures: bool = False  # the figure and table crops, each with its caption
     dpi: int = Field(144, ge=36, le=600)
@@ -132,7 +135,7 @@ class TaskSpec(BaseModel):
     long_inputs: Optional[LongInputPolicy] = None   # None: the job's long_inputs
     sampling: Optional[TaskSamplingSpec] = None     # None: the job's sampling
     adapter: Optional[str] = Field(None, min_length=1)  # a name of model.adapters (LoRA); None: the base model
-    images: Optional[TaskImagesSpec] = None  # page images / figure crops of a PDF for a vision-language model
+    images: Optional[TaskImagesSpec] = None  # a PDF's pages / figure crops, or a row's image column, for a VLM
 
     @model_validator(mode="after")
     def _check_images(self) -> "TaskSpec":
@@ -147,6 +150,18 @@ class TaskSpec(BaseModel):
         if self.images is not None and self.long_inputs == "chunk":
             raise ValueError(f"task {self.name!r}: long_inputs chunk does not map images over chunks; use "
                              "truncate, middle or skip")
+        if self.images is not None and self.images.column is not None:
+            im = self.images  # the PDF keys at their defaults (a dumped spec spells them) are not asked for
+            pdf = [k for k, off in (("pages", None), ("figures", False), ("dpi", 144), ("format", "png"))
+                   if getattr(im, k) != off]
+            if pdf:
+                raise ValueError(f"task {self.name!r}: images.column takes the row's images; {', '.join(pdf)} "
+                                 "are how a PDF's pages and figures are rendered: give one or the other")
+            pdf_vars = [v for v in used if v in ("page_images", "page_image", "figures", "figure")]
+            if pdf_vars:
+                raise ValueError(f"task {self.name!r} uses {', '.join(pdf_vars)}, a PDF's images, but takes its "
+                                 f"images from column {self.images.column!r}: place them with {{{{ images }}}} "
+                                 "or {{ image(1) }}")
         return self
 
     @model_validator(mode="after")

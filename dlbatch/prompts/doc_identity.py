@@ -7,7 +7,9 @@ document:
 
 - **version**: the content hash (`connectors.ids.content_id`) of the text and of the values
   of every column the job's prompts read (their canonical JSON, by column name; all columns
-  when a template reads ``row`` as a whole or a preprocess hook sees it). A committed row
+  when a template reads ``row`` as a whole or a preprocess hook sees it), and of the images
+  its tasks take from image columns (their bytes' digests, `connectors.images.packed_digest`:
+  an image edited behind the same path or URL is a new version). A committed row
   records it (``doc_version``); a rerun over an input file that changed compares it
   (`dlbatch.output.edits`): an edited row supersedes its old results, as a replaced PDF does.
 - **id**: ``input.id_field``'s value where the job names one (the reader's, unchanged);
@@ -28,11 +30,13 @@ ALL = None  # every column
 class DocIdentity:
     """The identity rule of one job (module docstring); picklable, built from the spec."""
 
-    def __init__(self, applies: bool, columns: Optional[frozenset], by_field: bool, text_field: str):
+    def __init__(self, applies: bool, columns: Optional[frozenset], by_field: bool, text_field: str,
+                 image_columns: frozenset = frozenset()):
         self.applies = applies        # a table input: rows have columns and a version
         self.columns = columns        # the columns prompts read (ALL: every one; empty: none)
         self.by_field = by_field      # ids come from input.id_field
         self.text_field = text_field
+        self.image_columns = image_columns  # the columns tasks take images from (by the images' bytes)
 
     @classmethod
     def for_job(cls, spec, preprocess=None) -> "DocIdentity":
@@ -46,14 +50,16 @@ class DocIdentity:
             columns = ALL
         else:
             columns = frozenset(c for s in sources for c in column_references(s)) - {spec.input.text_field}
-        return cls(applies, columns, spec.input.id_field is not None, spec.input.text_field)
+        images = frozenset(t.images.column for t in spec.tasks if t.images is not None and t.images.column)
+        return cls(applies, columns, spec.input.id_field is not None, spec.input.text_field, images)
 
     @property
     def reads_columns(self) -> bool:
-        return self.columns is ALL or bool(self.columns)
+        return self.columns is ALL or bool(self.columns) or bool(self.image_columns)
 
-    def version(self, text: str, row: dict) -> str:
-        """The content hash of ``text`` and of the columns the prompts read from ``row``."""
+    def version(self, text: str, row: dict, images: str | None = None) -> str:
+        """The content hash of ``text``, of the columns the prompts read from ``row`` and of
+        ``images`` (the digest of the row's column images; None: it has none)."""
         from connectors.ids import content_id
 
         if not self.reads_columns:
@@ -61,7 +67,7 @@ class DocIdentity:
         names = sorted(row) if self.columns is ALL else sorted(self.columns)
         read = {n: row.get(n) for n in names if n != self.text_field}
         body = json.dumps(read, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
-        return content_id(text + "\x00" + body)
+        return content_id(text + "\x00" + body + (f"\x00images:{images}" if images else ""))
 
     def apply(self, doc: dict) -> dict:
         """``doc`` (a parsed row) with its ``doc_version`` and, without id_field, its id from
@@ -73,7 +79,12 @@ class DocIdentity:
             from connectors.columns import unpack
 
             row = unpack(doc.get("columns"))
-        version = self.version(doc["text"], row)
+        images = None
+        if self.image_columns:
+            from connectors.images import packed_digest
+
+            images = packed_digest(doc.get("images"))
+        version = self.version(doc["text"], row, images)
         doc = {**doc, "doc_version": version}
         if not self.by_field and self.reads_columns:
             doc["doc_id"] = version

@@ -4,12 +4,15 @@ own processor (docs/multimodal.md).
 
 A document's images arrive from the parse stage as compressed bytes with their labels
 (`connectors.images`: ``kind``, ``label``, ``page``, ``caption``, ``dpi``, ``format``, ``width``,
-``height``, ``data``, ``digest``). For a task with ``images:``, `MultimodalPrompts`:
+``height``, ``data``, ``digest``; a row's column images, `connectors.image_columns`, are of
+kind ``column`` with their ``column``). For a task with ``images:``, `MultimodalPrompts`:
 
-- gives its template the image variables (`variables`): ``page_images`` (the task's pages
-  and the document's scanned pages, in page order), ``page_image(n)``, ``figures`` (every
-  figure and table crop, each followed by its caption) and ``figure("Figure 3")`` (that crop
-  and its caption); each image is a marker in the rendered text (`MARK`), never the bytes;
+- gives its template the image variables (`variables`): of a PDF, ``page_images`` (the
+  task's pages and the document's scanned pages, in page order), ``page_image(n)``,
+  ``figures`` (every figure and table crop, each followed by its caption) and
+  ``figure("Figure 3")`` (that crop and its caption); of a PDF or a row, ``images`` (all of
+  the task's images: a row's of the task's ``column``) and ``image(n)`` (the n-th, 1-based);
+  each image is a marker in the rendered text (`MARK`), never the bytes;
 - splits the rendered prompt at the markers into a chat message's content parts, text and
   ``{"type": "image"}``; a template that places no image gets the task's images first (its
   pages, then its figures with their captions), so the tasks of a document share them as
@@ -66,17 +69,27 @@ class Encoded:
 
 
 def parse_request(spec) -> dict | None:
-    """What the parse stage renders for the job's tasks (`connectors.images.render_images`'
-    request), None when no task asks for images."""
-    renders = []
+    """What the parse stage makes of the job's tasks' ``images:``, None when no task asks for
+    images: ``renders``, a PDF's (`connectors.images.render_images`' request), and
+    ``columns``, a row's image columns (`connectors.image_columns.column_images`), with
+    ``base``, the directory relative image paths are read from (this process's: the job's
+    data paths are found from where it runs, docs/jobs.md), the per-document budget and the
+    seconds an http(s) image may take."""
+    import os
+
+    renders, columns = [], []
     for t in spec.tasks:
-        if t.images is not None:
-            r = t.images.model_dump()
+        if t.images is not None and t.images.column is not None:
+            if t.images.column not in columns:
+                columns.append(t.images.column)
+        elif t.images is not None:
+            r = t.images.model_dump(exclude={"column"})
             if r not in renders:
                 renders.append(r)
-    if not renders:
+    if not renders and not columns:
         return None
-    return {"renders": renders, "max_images": spec.input.max_images, "max_pixels": spec.input.max_image_pixels}
+    return {"renders": renders, "columns": columns, "base": os.getcwd(), "max_images": spec.input.max_images,
+            "max_pixels": spec.input.max_image_pixels, "timeout_s": spec.input.parse_timeout_s}
 
 
 def has_images(spec) -> bool:
@@ -119,7 +132,27 @@ def _for_task(images: list[dict], want) -> list[int]:
 
 def variables(images: list[dict], want, task: str, doc_pages: int) -> dict:
     """The image variables of task ``task`` (its ``images:`` is ``want``) over the images of a
-    document of ``doc_pages`` pages; ``_default`` is what a template placing none gets first."""
+    document of ``doc_pages`` pages; ``_default`` is what a template placing none gets first,
+    and ``images`` / ``image(n)`` all of the task's images / the n-th of them (1-based)."""
+    if want.column is not None:
+        mine = [i for i, im in enumerate(images) if im["kind"] == "column" and im.get("column") == want.column]
+        return {**_pdf_variables([], want, task, doc_pages), **_listed(images, mine, f"column {want.column!r}")}
+    return _pdf_variables(images, want, task, doc_pages)
+
+
+def _listed(images: list[dict], mine: list[int], where: str) -> dict:
+    """``images``, ``image(n)`` and ``_default`` over the task's images ``mine`` (indices)."""
+    def image(n):
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(mine):
+            raise ValueError(f"image({n!r}): this document's {where} holds {len(mine)} images (image(1) is the first)")
+        return marker(mine[n - 1])
+
+    everything = "".join(marker(i) for i in mine)
+    return {"images": everything, "image": image, "_default": everything}
+
+
+def _pdf_variables(images: list[dict], want, task: str, doc_pages: int) -> dict:
+    """A PDF task's variables: its pages and scanned pages, then its figures with their captions."""
     from connectors.images import selected_pages
 
     mine = _for_task(images, want)
@@ -147,6 +180,7 @@ def variables(images: list[dict], want, task: str, doc_pages: int) -> dict:
 
     return {"page_images": "".join(marker(i) for i in page_list), "page_image": page_image,
             "figures": "".join(f"{marker(i)}\n{images[i]['caption']}\n\n" for i in figs), "figure": figure,
+            **_listed(images, page_list + figs, "rendered pages and figures"),
             "_default": "".join(marker(i) for i in page_list)
             + "".join(f"{marker(i)}\n{images[i]['caption']}\n\n" for i in figs)}
 

@@ -41,12 +41,13 @@ class PromptStage:
     output batch, document first so the tasks share it as prefix)."""
 
     def __init__(self, spec, skip_doc_ids=None, map_reduce: bool = False, *, max_model_len: int,
-                 preprocess=None):
+                 preprocess=None, image_read: dict | None = None):
         """``spec``: the validated job (`dlbatch.jobspec.JobSpec`; pickled to Ray Data's actors);
         ``max_model_len``: the run's context length, resolved once with the workers' own
         (`dlbatch.driver.config.RunConfig`): a request's prompt + max_tokens fit in it;
         ``preprocess``: the pipeline's hook on each document's template context
-        (dlbatch/prompts/hooks.py), or None."""
+        (dlbatch/prompts/hooks.py), or None; ``image_read``: how OpenAI batch lines' image URLs
+        are read (`BatchLinePrompts`), from the driver: its directory and sealed storage options."""
         from dlbatch.engine.loader import load_tokenizer
         from dlbatch.prompts.encoder import PromptEncoder
         from dlbatch.prompts.skip import SkipSet
@@ -70,7 +71,7 @@ class PromptStage:
 
         # image prompts (tasks with images:) through the model's processor, loaded at the first image
         self.mm = MultimodalPrompts.for_job(spec, self.tok) if has_images(spec) else None
-        self.batch = BatchLinePrompts(spec, self.tok, self.encoder, self.max_model_len)  # openai_batch lines
+        self.batch = BatchLinePrompts(spec, self.tok, self.encoder, self.max_model_len, image_read)  # openai_batch
         # ids not to redo: a SkipSet (8 bytes per id) from the driver, or any iterable of ids
         self.skip = skip_doc_ids if isinstance(skip_doc_ids, SkipSet) else SkipSet(skip_doc_ids or ())
         from dlbatch.prompts.doc_identity import DocIdentity
@@ -339,9 +340,20 @@ class BatchLinePrompts:
     each line's body is its prompt. Owns the model's image processor for lines with image
     parts, loaded at the first such line."""
 
-    def __init__(self, spec, tok, encoder, max_model_len: int):
+    def __init__(self, spec, tok, encoder, max_model_len: int, image_read: dict | None = None):
+        """``image_read``: overrides of how image URLs are read (`connectors.image_columns.
+        read_image_url`'s keywords) and bounded; by default relative paths from this process's
+        directory, the job's input storage options where a URL's scheme is the input's, at
+        most input.max_file_bytes bytes and input.parse_timeout_s seconds an image, and
+        input.max_images / max_image_pixels a line."""
+        import os
+
         self.spec, self.tok, self.encoder, self.max_model_len = spec, tok, encoder, max_model_len
         self.mm = None  # MultimodalPrompts, once a line holds an image
+        inp = spec.input
+        self.image_read = {"base": os.getcwd(), "storage_options": dict(inp.storage_options), "input_url": inp.path,
+                           "max_bytes": inp.max_file_bytes, "max_images": inp.max_images,
+                           "max_pixels": inp.max_image_pixels, "timeout_s": inp.parse_timeout_s, **(image_read or {})}
 
     def rows(self, base: dict, doc: dict) -> list[dict]:
         """An OpenAI batch request line (connectors/openai_batch.py) -> its request row(s): one
@@ -359,7 +371,7 @@ class BatchLinePrompts:
         cols = unpack(doc.get("columns"))
         try:
             req = translate(cols.get("url"), json.loads(cols.get("body") or "null"), self.spec.model.served_names,
-                            tuple(self.spec.model.adapters))
+                            tuple(self.spec.model.adapters), self.image_read)
         except InvalidRequest as e:
             return [PromptStage._error(base, "prompt", e.code, str(e)[:500])]
         enc = None  # the chat's images, if any, through the model's processor

@@ -17,7 +17,7 @@ The variables a template may use are :data:`TEMPLATE_VARIABLES`::
     references               the reference list's text ("" when none)
     text_without_references  the text less the references part (heading included)
     section(name)            a section's text, its subsections included (see below)
-    page_images, page_image(n), figures, figure("Figure 3")
+    page_images, page_image(n), figures, figure("Figure 3"), images, image(n)
                              a task's images (its ``images:``; docs/multimodal.md)
     row      the input row's columns (JSONL, Parquet, datasets): ``{{ row.question }}``,
              ``{{ row["a b"] }}``; the text column is the document's text
@@ -88,7 +88,7 @@ __all__ = [
 
 # a task's images (docs/multimodal.md, dlbatch/prompts/multimodal.py): markers the prompt stage
 # turns into the chat message's image parts; without the task's ``images:`` none is rendered
-IMAGE_VARIABLES: tuple[str, ...] = ("page_images", "page_image", "figures", "figure")
+IMAGE_VARIABLES: tuple[str, ...] = ("page_images", "page_image", "figures", "figure", "images", "image")
 TEMPLATE_VARIABLES: tuple[str, ...] = ("text", "title", "doc_id", "source", "pages", "abstract", "references",
                                         "text_without_references", "section", "row") + IMAGE_VARIABLES
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -379,7 +379,8 @@ def _no_image(*args):
     raise ValueError("this task renders no images: give it images: (docs/multimodal.md)")
 
 
-_NO_IMAGES = {"page_images": "", "figures": "", "page_image": _no_image, "figure": _no_image}
+_NO_IMAGES = {"page_images": "", "figures": "", "page_image": _no_image, "figure": _no_image, "images": "",
+              "image": _no_image}
 
 
 def document_context(doc: Mapping[str, Any]) -> dict:
