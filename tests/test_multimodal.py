@@ -316,7 +316,9 @@ def test_the_sample_papers_job_commits_every_row_once_across_a_driver_kill(tmp_p
         finished = proc.poll() == 0
         kill_group_and_ray(proc, raytmp)
     rows, _ = check_committed(out, job, extra, raytmp)
-    assert finished or 0 < len(rows) < 6, (tmp_path / "run1.log").read_text()[-3000:]
+    # killed after its first commit: some rows, or all 6 when one batch held both papers
+    # (its manifest then not yet complete: the rerun finds the work done and completes it)
+    assert finished or 0 < len(rows) <= 6, (tmp_path / "run1.log").read_text()[-3000:]
     with open(tmp_path / "run2.log", "wb") as logf:
         rc = start_run(job, out, extra, raytmp, logf).wait(timeout=900)
     assert rc == 0, (tmp_path / "run2.log").read_text()[-3000:]
