@@ -76,8 +76,11 @@ def test_a_dataset_job_killed_mid_run_commits_each_row_once_on_rerun(tmp_path, s
     print(f"seed {seed}")
     items = [{"qid": f"k{i:02d}", "passage": f"Passage {i} " + "word " * (20 + 7 * i), "question": "Why?"}
              for i in range(40)]
+    # small batches, two in flight: commits of a few documents each, so the run makes more
+    # parts than the seeded kill point asks for (with the default 8K-token batches it could
+    # finish in fewer and end before the kill)
     longer = {"tasks": [{"name": "answer", "prompt": "{{ text }}\nQuestion: {{ row.question }}\nAnswer:",
-                         "max_tokens": 24}]}
+                         "max_tokens": 24}], "batching": {"max_batch_tokens": 512, "max_inflight_batches": 2}}
     out = tmp_path / "out"
     wait_for = random.Random(seed).randint(1, 6)
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(), str(out), json.dumps(items), json.dumps(longer)],
