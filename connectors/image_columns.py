@@ -32,7 +32,7 @@ import os
 import re
 from typing import Any
 
-from .images import IMAGE_BUDGET, MAGIC_BYTES, MAX_IMAGES, MAX_PIXELS, ImageBudget, ImageBudgetExceeded
+from .images import IMAGE_BUDGET, MAX_IMAGES, MAX_PIXELS, ImageBudget, ImageBudgetExceeded, sniff_format
 
 BAD_IMAGE = "BadImage"
 KIND = "column"
@@ -55,14 +55,6 @@ def shorten(value: Any, limit: int = 80) -> str:
         return f"<{len(data)} bytes starting {data[:8]!r}>"
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def sniff_format(data: bytes) -> str | None:
-    """``png``, ``jpeg`` or ``webp`` from the first bytes; None for anything else."""
-    for fmt, heads in MAGIC_BYTES.items():
-        if any(data.startswith(h) for h in heads) and (fmt != "webp" or data[8:12] == b"WEBP"):
-            return fmt
-    return None
 
 
 def image_size(data: bytes) -> tuple[int, int]:
@@ -143,13 +135,6 @@ def _resolved(url: str, base: str | None) -> str:
     return path if os.path.isabs(path) else os.path.join(base or os.getcwd(), path)
 
 
-def image_budget(options: dict | None) -> ImageBudget:
-    """A fresh per-document budget from ``options``' ``max_images`` / ``max_pixels`` (defaults
-    where absent)."""
-    options = options or {}
-    return ImageBudget(int(options.get("max_images") or MAX_IMAGES), int(options.get("max_pixels") or MAX_PIXELS))
-
-
 def value_bytes(value: Any, **read) -> bytes:
     """One image value (module docstring) -> its compressed bytes; ValueError naming the reason."""
     from .images import data_url_image
@@ -172,7 +157,7 @@ def column_images(row: dict, columns: list[str], *, max_images: int | None = MAX
     """The images of ``row``'s ``columns`` (each value one image, a list of them, or null: none),
     as records (module docstring), in column then list order; ``read``: `read_image_url`'s
     keywords. Raises `ImageError` at the first image that is bad or over the budget."""
-    budget = ImageBudget(int(max_images or MAX_IMAGES), int(max_pixels or MAX_PIXELS))
+    budget = ImageBudget(max_images, max_pixels)
     out: list[dict] = []
     for column in columns:
         if column not in row:

@@ -105,6 +105,14 @@ MAGIC_BYTES = {"png": (b"\x89PNG\r\n\x1a\n",), "jpeg": (b"\xff\xd8\xff",), "webp
 DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp);base64,(.*)", re.DOTALL)
 
 
+def sniff_format(data: bytes) -> str | None:
+    """``png``, ``jpeg`` or ``webp`` from the first bytes; None for anything else."""
+    for fmt, heads in MAGIC_BYTES.items():
+        if any(data.startswith(h) for h in heads) and (fmt != "webp" or data[8:12] == b"WEBP"):
+            return fmt
+    return None
+
+
 def data_url_image(url: str) -> bytes:
     """A ``data:image/<png|jpeg|webp>;base64,...`` URL -> the image's compressed bytes (not
     decoded: their first bytes checked against the format the URL names). Raises ValueError
@@ -121,7 +129,7 @@ def data_url_image(url: str) -> bytes:
         data = base64.b64decode(m.group(2), validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"its base64 payload does not decode ({e})") from None
-    if not data.startswith(MAGIC_BYTES[fmt]) or (fmt == "webp" and data[8:12] != b"WEBP"):
+    if sniff_format(data) != fmt:
         raise ValueError(f"its bytes are not a {fmt.upper()} image (they start {data[:8]!r})")
     return data
 
@@ -144,7 +152,7 @@ def selected_pages(pages, count: int) -> list[int]:
 def render_images(doc, pages_read: int, request: dict) -> list[dict]:
     """The images ``request`` asks of the open pymupdf ``doc`` (its first ``pages_read``
     pages): ``{"renders": [{pages, figures, dpi, format}], "max_images", "max_pixels"}``."""
-    budget = ImageBudget(int(request.get("max_images") or MAX_IMAGES), int(request.get("max_pixels") or MAX_PIXELS))
+    budget = ImageBudget.from_options(request)
     out: list[dict] = []
     seen: set = set()
     renders = request.get("renders") or []
@@ -167,8 +175,16 @@ def render_images(doc, pages_read: int, request: dict) -> list[dict]:
 class ImageBudget:
     """A document's image budget: at most ``max_images`` images and ``max_pixels`` pixels together."""
 
-    def __init__(self, max_images: int, max_pixels: int):
-        self.max_images, self.max_pixels, self.images, self.pixels = max_images, max_pixels, 0, 0
+    def __init__(self, max_images: int | None = None, max_pixels: int | None = None):
+        """None (or 0): the default, MAX_IMAGES / MAX_PIXELS."""
+        self.max_images, self.max_pixels = int(max_images or MAX_IMAGES), int(max_pixels or MAX_PIXELS)
+        self.images = self.pixels = 0
+
+    @classmethod
+    def from_options(cls, options: dict | None) -> "ImageBudget":
+        """A fresh budget from a request's ``max_images`` / ``max_pixels`` (defaults where absent)."""
+        options = options or {}
+        return cls(options.get("max_images"), options.get("max_pixels"))
 
     def charge(self, label: str, pixels: int) -> None:
         self.images += 1

@@ -298,9 +298,9 @@ def translate(url: str, body: Any, model: str | tuple[str, ...], adapters=(), im
 def _messages(messages: Any, images: dict | None = None) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest(f"body.messages must be a non-empty list of messages, got {_short(messages)}")
-    from .image_columns import image_budget
+    from .images import ImageBudget
 
-    out, budget = [], image_budget(images)
+    out, budget = [], ImageBudget.from_options(images)
     for i, m in enumerate(messages):
         where = f"body.messages[{i}]"
         if not isinstance(m, dict):

@@ -86,9 +86,9 @@ def parse_file(row: dict, fmt: str, text_field: str, id_field: str | None, stora
                                           storage_options=storage_options, max_pages=max_pages,
                                           max_rows=task.max_rows, part=task.part,
                                           max_line_bytes=max_line_bytes, max_text_chars=max_text_chars))
-            if images and images.get("columns"):  # a row's images: read and checked here, beside its text
-                out = [with_column_images(d, images, storage_options, url, max_file_bytes, id_field is not None)
-                       for d in out]
+            # a row's images: read and checked here, beside its text
+            out = [with_column_images(d, images, storage_options, url, max_file_bytes, id_field is not None)
+                   for d in out]
     except (FileNotFoundError, PermissionError, ParserUnavailable):
         raise
     except Exception as e:  # a file the reader cannot handle becomes a dead letter
@@ -115,13 +115,13 @@ def document_row(d: dict) -> dict:
                        "images": packed})
 
 
-def with_column_images(d: dict, request: dict, storage_options, input_url: str | None, max_bytes: int | None,
+def with_column_images(d: dict, request: dict | None, storage_options, input_url: str | None, max_bytes: int | None,
                        keep_id: bool = True) -> dict:
     """Row ``d`` with the images of its image columns (``request``: `dlbatch.prompts.multimodal.
     parse_request`), or its dead letter naming the column, the value and why: with the row's
     id where it is the input's (``keep_id``: ``input.id_field``), else the hash of its source
     (a content id would be shared by rows with one text and other images)."""
-    if d.get("error"):
+    if d.get("error") or not (request and request.get("columns")):
         return d
     from .columns import unpack
     from .image_columns import ImageError, column_images

@@ -36,9 +36,8 @@ class DatasetDocuments:
         for i, record in enumerate(table.to_pylist()):
             row = record_to_row(record, SOURCE, self.text_field, self.id_field, arrow=table.slice(i, 1))
             row["source"] = f"{SOURCE}#{row['doc_id']}"
-            if self.images and self.images.get("columns"):
-                row = with_column_images(row, self.images, self.storage_options, None, self.max_image_bytes,
-                                         self.id_field is not None)
+            row = with_column_images(row, self.images, self.storage_options, None, self.max_image_bytes,
+                                     self.id_field is not None)
             out.append(document_row(row))
         return pa.Table.from_pylist(out, schema=document_schema())
 

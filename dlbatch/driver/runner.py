@@ -239,15 +239,14 @@ class JobRunner:
         from dlbatch.driver.feed import BatchPrefetcher
 
         spec = self.spec
-        pools = self.pools  # started early (`_start_early`), or now
-        if pools is None and config.layout is None:  # cluster: auto on an attached cluster: its chips decide
+        early = self.pools is not None  # started by `_start_early`
+        if not early and config.layout is None:  # cluster: auto on an attached cluster: its chips decide
             config = self._cluster_layout(config, report)
         report.layout = config.layout
-        if pools is None:
-            pools = self.pools = WorkerPools(config, self.resource_timeout_s)
+        pools = self.pools = self.pools or WorkerPools(config, self.resource_timeout_s)
         prefetch = None
         try:
-            if not pools.started:
+            if not early:
                 pools.start(report.startup)
             t_data = time.time()  # documents are parsed and tokenized while the workers load the model
             prefetch = BatchPrefetcher(self.pipeline.build(spec, files, skip_docs, max_model_len=config.max_model_len,

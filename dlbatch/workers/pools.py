@@ -50,11 +50,6 @@ class WorkerPools:
         self._ray_started = False
 
     @property
-    def started(self) -> bool:
-        """`start` has created the workers."""
-        return bool(self.workers)
-
-    @property
     def pd(self) -> bool:
         return "prefill" in self.pools
 
