@@ -156,3 +156,26 @@ def test_a_reused_pid_does_not_keep_a_lease_alive_and_a_dead_one_frees_it(tmp_pa
     taker = _lease(tmp_path).acquire()
     assert taker.taken_over["pid"] == os.getpid() and not taker.rec["suspects"]  # provably gone: no suspect
     taker.release()
+
+
+def test_a_store_without_modified_is_timed_by_its_info(tmp_path):
+    """fsspec's default `modified` raises NotImplementedError (e.g. an HTTP-like store): the
+    lease reads the time the store states in `info`; a store stating none is an OSError naming
+    the keys it has, never a lease judged by the writer's clock."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    class NoModified(LocalFileSystem):
+        def modified(self, path):
+            raise NotImplementedError
+
+    class NoTimes(NoModified):
+        def info(self, path, **kw):
+            return {k: v for k, v in super().info(path, **kw).items() if k not in ("mtime", "created")}
+
+    _, root = fsspec.core.url_to_fs(str(tmp_path))
+    before = time.time()
+    now = OutputLease(NoModified(), root, str(tmp_path), "j").store_now()
+    assert before - 5 <= now <= time.time() + 5  # the local file's mtime, as info states it
+    with pytest.raises(OSError, match="reports no modification time"):
+        OutputLease(NoTimes(), root, str(tmp_path), "j").store_now()

@@ -329,3 +329,23 @@ def test_the_sample_papers_job_commits_every_row_once_across_a_driver_kill(tmp_p
     assert max(r["images"] for (_, t), r in by.items() if t == "figs") == 4  # the long paper's four figures
     assert all(r["valid"] for (_, t), r in by.items() if t == "figs")  # structured output on image prompts
     assert all(r["prompt_tokens"] >= r["image_tokens"] > 0 for (_, t), r in by.items() if t == "pages")
+
+
+def test_a_processor_without_a_size_rule_is_counted_by_processing(tmp_path, vlm):
+    """`MultimodalPrompts.image_tokens`: a processor without transformers' size rule
+    (`_get_num_multimodal_tokens`) has each image processed and its prompt's growth counted;
+    the counts equal the rule's where both exist."""
+    from transformers import AutoProcessor
+
+    from dlbatch.engine.loader import load_tokenizer
+    from dlbatch.jobspec import load_job
+    from dlbatch.prompts.multimodal import MultimodalPrompts, image_ref
+
+    spec = load_job(_job(tmp_path, vlm))
+    refs = [image_ref(_png("red", (120, 90)), "a"), image_ref(_png("blue", (64, 48)), "b")]
+    by_rule = MultimodalPrompts.for_job(spec, load_tokenizer(vlm)).image_tokens(refs)
+    assert by_rule == [int(n) for n in AutoProcessor.from_pretrained(vlm)._get_num_multimodal_tokens(
+        image_sizes=[(90, 120), (48, 64)])["num_image_tokens"]]
+    mm = MultimodalPrompts.for_job(spec, load_tokenizer(vlm))
+    mm.processor._get_num_multimodal_tokens = None  # a processor without the rule
+    assert mm.image_tokens(refs) == by_rule
