@@ -49,7 +49,7 @@ DETECT_TIMEOUT_S = 180
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--peer-python", action="append", default=[], metavar="PATH",
+    p.add_argument("--peer-python", action="append", default=[], metavar="PATH", type=os.path.abspath,
                    help="python of a virtualenv with vllm or llama_cpp: run the paper workload there too "
                         "(repeatable; implies --papers)")
     p.add_argument("--papers", action="store_true",

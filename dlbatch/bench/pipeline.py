@@ -51,7 +51,7 @@ def add_arguments(p) -> None:
     p.add_argument("--backend", choices=["dlbatch", "vllm"], default="dlbatch",
                    help="vllm: dlbatch on vLLM vs Ray Data LLM on the same vLLM (--peer-python), and dlbatch's "
                         "own engine beside them (dlbatch/bench/pipeline_vllm.py)")
-    p.add_argument("--peer-python", action="append", default=[], metavar="PATH",
+    p.add_argument("--peer-python", action="append", default=[], metavar="PATH", type=os.path.abspath,
                    help="--backend vllm: python of a virtualenv with ray[data] and vllm (Ray Data LLM)")
     p.add_argument("--repeats", type=int, default=1, help="--backend vllm: runs per side (medians printed)")
     p.add_argument("--peer-timeout", type=int, default=1800, help="--backend vllm: seconds the peer may take")
