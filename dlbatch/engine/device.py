@@ -6,7 +6,14 @@ engine computes in, per CPU kind"). The first kind whose flag the CPU has applie
 
 - ``amx`` (``amx_bf16``): bf16 stays bf16 (AMX: bf16 matmul 2,098 GFLOP/s against 354 in
   fp32; the paper workload 11.8 s against 25.8 s).
-- ``avx512_bf16`` (AVX-512 + AVX512_BF16, no AMX): fp32. ``vdpbf16ps`` does as many
+- ``avx512_bf16_amd`` (an AMD CPU with AVX512_BF16, Zen 4 and later; no AMX): bf16 stays
+  bf16. Zen 4 runs AVX-512 on 256-bit units, so an fp32 FMA does half the work per cycle of
+  Intel's two 512-bit ports, while ``vdpbf16ps`` does twice the fp32 FMA's multiply-adds: a
+  model's layer linears at 8 to 2,048 rows run at 272-425 GFLOP/s in bf16 (oneDNN packed)
+  against 163-215 in fp32; a 2K-token prefill 1,020 tokens/s against 686; a 32-sequence
+  decode step 1.6x faster.
+- ``avx512_bf16`` (any other CPU with AVX-512 + AVX512_BF16 and no AMX; measured on Intel
+  Xeon): fp32. ``vdpbf16ps`` does as many
   multiply-adds per cycle as the two fp32 FMA ports, and every bf16 op converts on the
   way: a model's layer linears at 24 to 2,048 rows (decode batches of a batch job, prefill
   chunks) run at 122-156 GFLOP/s in bf16 against 181-264 in fp32; a 2K-token prefill 430
@@ -37,6 +44,19 @@ log = logging.getLogger("dlbatch.engine")
 
 
 @functools.lru_cache(maxsize=None)
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (``GenuineIntel``, ``AuthenticAMD``), or "" when unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
 def cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -48,33 +68,37 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-# (kind, the flag that defines it, {requested half dtype: the dtype computed; fp32 if absent}),
-# most capable first; the first kind whose flag the CPU has applies (the module docstring)
+# (kind, the flag that defines it, the vendor it needs or None, {requested half dtype: the dtype
+# computed; fp32 if absent}), most capable first; the first kind that matches applies (the module
+# docstring)
 CPU_KINDS = (
-    ("amx", "amx_bf16", {"bfloat16": "bfloat16"}),
-    ("avx512_bf16", "avx512_bf16", {}),
-    ("avx2", "avx2", {}),
+    ("amx", "amx_bf16", None, {"bfloat16": "bfloat16"}),
+    ("avx512_bf16_amd", "avx512_bf16", "AuthenticAMD", {"bfloat16": "bfloat16"}),
+    ("avx512_bf16", "avx512_bf16", None, {}),
+    ("avx2", "avx2", None, {}),
 )
 FP16_FLAG = "amx_fp16"  # fp16 is kept only where AMX multiplies it
 
 
-def cpu_kind(flags: frozenset[str] | None = None) -> str:
-    """The CPU kind of the table above for ``flags`` (this machine's when None): ``amx``,
-    ``avx512_bf16``, ``avx2`` or ``other``."""
+def cpu_kind(flags: frozenset[str] | None = None, vendor: str | None = None) -> str:
+    """The CPU kind of the table above for ``flags`` and ``vendor`` (this machine's when None):
+    ``amx``, ``avx512_bf16_amd``, ``avx512_bf16``, ``avx2`` or ``other``."""
     flags = cpu_flags() if flags is None else flags
-    return next((kind for kind, flag, _ in CPU_KINDS if flag in flags), "other")
+    vendor = cpu_vendor() if vendor is None else vendor
+    return next((kind for kind, flag, who, _ in CPU_KINDS if flag in flags and who in (None, vendor)), "other")
 
 
-def cpu_compute_dtype(dtype_name: str, flags: frozenset[str] | None = None) -> str:
-    """The dtype a CPU with ``flags`` (this machine's when None) computes a ``dtype_name``
-    model in fastest: float32 stays float32; a half dtype stays only where the table says."""
+def cpu_compute_dtype(dtype_name: str, flags: frozenset[str] | None = None, vendor: str | None = None) -> str:
+    """The dtype a CPU with ``flags`` and ``vendor`` (this machine's when None) computes a
+    ``dtype_name`` model in fastest: float32 stays float32; a half dtype stays only where the
+    table says."""
     if dtype_name == "float32":
         return "float32"
     flags = cpu_flags() if flags is None else flags
     if dtype_name == "float16":
         return "float16" if FP16_FLAG in flags else "float32"
-    kind = cpu_kind(flags)
-    table = next((t for k, _, t in CPU_KINDS if k == kind), {})
+    kind = cpu_kind(flags, vendor)
+    table = next((t for k, _, _, t in CPU_KINDS if k == kind), {})
     return table.get(dtype_name, "float32")
 
 

@@ -96,3 +96,23 @@ def test_declines_what_it_does_not_take():
     assert native.prefill_attention(q, kc, vc, tables, cu, ctx) is None
     q, k, v, kc, vc, meta, (tables, cu, ctx) = _case([(0, 20)], 4, 2, 32)
     assert native.prefill_attention(q.bfloat16(), kc, vc, tables, cu, ctx) is None  # bf16 compute keeps SDPA
+
+
+def test_bf16_queries_are_widened_on_a_bf16_cpu_without_amx(monkeypatch):
+    """A model computing in bf16 on a CPU with AVX512_BF16 and no AMX: the CPU op widens the
+    queries into the kernel and rounds its output back (as the decode kernel does); with
+    AMX the queries stay bf16 and take SDPA."""
+    from dlbatch.engine.ops import cpu
+
+    q, k, v, kc, vc, meta, (tables, cu, ctx) = _case(CHUNKS, 9, 3, 64, qkv_view=True)
+    qh, kh, vh, kch, vch = (t.bfloat16() for t in (q, k, v, kc, vc))
+    meta.use_native, meta.prefill_block_tables, meta.prefill_cu_q, meta.prefill_ctx = True, tables, cu, ctx
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    got = cpu.prefill_attention(qh, kh, vh, kch, vch, meta)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, native.prefill_attention(qh.float(), kch, vch, tables, cu, ctx).bfloat16())
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
+    sdpa = cpu.prefill_attention(qh, kh, vh, kch, vch, meta)
+    exact = reference.prefill_attention(*(t.float() for t in (qh, kh, vh, kch, vch)), meta)
+    torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(sdpa.float(), exact, rtol=2e-2, atol=2e-2)

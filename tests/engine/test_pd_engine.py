@@ -197,3 +197,24 @@ def test_kv_streaming_happens_inside_the_forward(tiny_path):
     assert sent == list(range(a.engine.mconf.num_layers))
     # computation happens after layer 0 was sent (the later layers and the final norm)
     assert "compute" in events[events.index(0) + 1:]
+
+
+def test_bf16_rows_do_not_depend_on_the_batch_on_a_bf16_cpu_without_amx(tiny_path):
+    """Where the engine computes bf16 on a CPU with AVX512_BF16 and no AMX (packed oneDNN
+    linears, attention in the C kernels over the bf16 cache), a row's greedy tokens are the
+    same alone, in a batch, chunked, and prefilled on one engine then decoded on another."""
+    from dlbatch import LLM, SamplingParams
+    from dlbatch.engine.device import cpu_flags
+    from dlbatch.engine.ops import native
+
+    flags = cpu_flags()
+    if "avx512_bf16" not in flags or "amx_bf16" in flags or not native.prefill_available(16):
+        pytest.skip("the packed bf16 path runs on AVX512_BF16 CPUs without AMX")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = _prompts(6, 20, 90, seed=11)
+    a = LLM(tiny_path, dtype="bfloat16", max_model_len=256, chat=False, allow_upcast=False)
+    assert a.engine.compute_dtype == "bfloat16"
+    batch = [o.token_ids for o in a.generate(prompts, params)]
+    b = LLM(tiny_path, dtype="bfloat16", max_model_len=256, chat=False, allow_upcast=False, max_num_batched_tokens=32)
+    assert [b.generate([p], params)[0].token_ids for p in prompts] == batch  # alone, chunked by 32
+    assert [o.token_ids for o in b.decode(a.prefill(prompts, params))] == batch

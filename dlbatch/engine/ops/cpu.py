@@ -17,7 +17,9 @@ linear: ``F.linear`` goes to MKL, whose GEMM for the skinny shapes of a decode s
 reordered once at load into its blocked layout is faster at those shapes and never slower
 at prefill sizes (figures: docs/benchmarks.md).
 ``pack_linear`` reorders float32 weights when oneDNN is built in (``DLBATCH_ONEDNN=0``
-keeps the plain tensor); ``linear`` takes either kind. A row's result must not depend on
+keeps the plain tensor), and bfloat16 weights on a CPU with AVX512_BF16 but no AMX, where
+oneDNN's packed bf16 GEMM is 1.1-1.8x ``F.linear``'s at every row count a step has (on AMX
+``F.linear`` stays: the packed path was not measured there); ``linear`` takes either kind. A row's result must not depend on
 how many rows share the call (a resumed sampling job batches differently and must draw the
 same tokens): oneDNN's packed GEMM gives every row the same bits for any M >= 2, but a
 different kernel for M = 1 on AVX-512 CPUs (the 1536-wide down projection differed in the
@@ -34,7 +36,9 @@ prefill_attention: float32 queries on a CPU with AVX-512 go to the C kernel
 (``_prefill_attn.c``): one call per layer for every chunk of the step, each token over its
 sequence's keys read from the paged cache, flash style, with the grouped query heads of a
 KV head sharing each key row; a chunk over a cached prefix costs only its own rows' work,
-and a row's result does not depend on how its sequence was chunked. Elsewhere (bf16 on AMX,
+and a row's result does not depend on how its sequence was chunked. bf16 queries go there too
+on a CPU with AVX512_BF16 but no AMX, widened to float32 and the output rounded back, as the
+decode kernel does (faster than bf16 SDPA there: docs/benchmarks.md). Elsewhere (bf16 on AMX,
 AVX2, head sizes it does not take) torch's SDPA: a chunk whose context starts in the cache
 (chunked prefill, prefix hit) needs a causal mask offset by the cached length, which SDPA
 only takes as an explicit mask: then it computes every (query, key) pair, twice the work of
@@ -50,6 +54,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from dlbatch.engine.device import cpu_flags
 from dlbatch.engine.ops import native, reference
 from dlbatch.engine.ops.registry import register_op
 
@@ -62,9 +67,15 @@ def _onednn() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def _bf16_without_amx() -> bool:
+    flags = cpu_flags()
+    return "avx512_bf16" in flags and "amx_bf16" not in flags
+
+
 @register_op("pack_linear", "cpu")
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    if weight.dtype != torch.float32 or weight.dim() != 2 or not _onednn():
+    if weight.dim() != 2 or not _onednn() or not (weight.dtype == torch.float32 or
+                                                  (weight.dtype == torch.bfloat16 and _bf16_without_amx())):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS)
 
@@ -125,10 +136,12 @@ SPLIT_MIN_TOKENS = 256  # chunks shorter than this gain nothing from the split (
 @register_op("prefill_attention", "cpu")
 def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
     if getattr(meta, "use_native", True) and getattr(meta, "prefill_cu_q", None) is not None:
-        out = native.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q,
+        # bf16 queries are widened, as the decode kernel widens them: both compute in float32
+        qf = q.float() if q.dtype == torch.bfloat16 and _bf16_without_amx() else q
+        out = native.prefill_attention(qf, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q,
                                        meta.prefill_ctx, meta.sliding_window)
         if out is not None:
-            return out
+            return out.to(q.dtype)
     out = torch.empty_like(q)
     hk, d = k_cache.shape[-2:]
     kc = k_cache.view(-1, hk, d)
