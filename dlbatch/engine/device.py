@@ -44,28 +44,29 @@ log = logging.getLogger("dlbatch.engine")
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (``GenuineIntel``, ``AuthenticAMD``), or "" when unknown."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the end of the first processor's block
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return ""
+    return fields
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (``GenuineIntel``, ``AuthenticAMD``), or "" when unknown."""
+    return _cpuinfo().get("vendor_id", "")
 
 
 @functools.lru_cache(maxsize=None)
 def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 # (kind, the flag that defines it, the vendor it needs or None, {requested half dtype: the dtype

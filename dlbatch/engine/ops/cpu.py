@@ -19,8 +19,8 @@ at prefill sizes (figures: docs/benchmarks.md).
 ``pack_linear`` reorders float32 weights when oneDNN is built in (``DLBATCH_ONEDNN=0``
 keeps the plain tensor), and bfloat16 weights on a CPU with AVX512_BF16 but no AMX, where
 oneDNN's packed bf16 GEMM is 1.1-1.8x ``F.linear``'s at every row count a step has (on AMX
-``F.linear`` stays: the packed path was not measured there); ``linear`` takes either kind. A row's result must not depend on
-how many rows share the call (a resumed sampling job batches differently and must draw the
+``F.linear`` stays: the packed path was not measured there); ``linear`` takes either kind.
+A row's result must not depend on how many rows share the call (a resumed sampling job batches differently and must draw the
 same tokens): oneDNN's packed GEMM gives every row the same bits for any M >= 2, but a
 different kernel for M = 1 on AVX-512 CPUs (the 1536-wide down projection differed in the
 last bits), so a single row goes through as the first of two.
