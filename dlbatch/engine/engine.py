@@ -66,7 +66,8 @@ class LLMEngine:
                 self.model, self.mconf, config, self.kv_dtype, device, op_overrides)
         own = (torch.cuda.memory_allocated(device) - mem_before if device.type == "cuda" else 0) + self.activation_peak
         self.num_blocks = self._num_blocks(self.kv_dtype, device, own)
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          share_partial_blocks=True)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, self.mconf, config, self.num_blocks, self.kv_dtype)
         if device.type == "cuda" and not config.enforce_eager:
@@ -209,7 +210,12 @@ class LLMEngine:
         return seq
 
     def _on_admit(self, seq: Sequence) -> None:
-        kv = getattr(seq, "kv_import", None)
+        """Right after ``seq`` got its blocks (the scheduler unpins a partial hit's source
+        when this returns): copy the head of a partially matched block, import a decode-only
+        sequence's KV."""
+        if seq.kv_copy is not None:
+            self.runner.copy_block_head(*seq.kv_copy)
+        kv = seq.kv_import
         if kv is None:
             return
         n = len(seq.prompt_ids)

@@ -233,6 +233,11 @@ class ModelRunner:
             buf = sink.layer_buffer(li) if lend else None
             sink.send_layer(li, self.export_layer(idx, li, buf))
 
+    def copy_block_head(self, src: int, dst: int, rows: int) -> None:
+        """KV of the first ``rows`` tokens of block ``src`` into block ``dst``, every layer
+        (a partial prefix-cache hit: block_manager.py)."""
+        self.kv_cache[:, :, dst, :rows] = self.kv_cache[:, :, src, :rows]
+
     def import_kv_layer(self, seq, layer: int, kv: torch.Tensor, start: int = 0) -> None:
         """Copy one layer's (2, n, Hkv, D) KV for token positions [start, n) into the
         sequence's blocks, converting dtype; the block size of the sender does not matter

@@ -109,6 +109,7 @@ class Scheduler:
             self.running.append(seq)
             if self.on_admit is not None:
                 self.on_admit(seq)
+            self.bm.release_copy(seq)  # the engine copied a partial hit's rows in on_admit
             n = min(seq.remaining, budget)
             self.bm.ensure_slots(seq, seq.num_computed + n)
             out.scheduled.append(ScheduledSeq(seq, n))

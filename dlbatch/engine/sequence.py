@@ -25,6 +25,7 @@ class Sequence:
     num_cached: int = 0  # prompt tokens served from the prefix cache (last admission)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of committed full blocks
+    kv_copy: tuple[int, int, int] | None = None  # (cached block, own block, rows) to copy at admission
     reserved: int = 0  # blocks reserved for this sequence and not yet taken
     finish_reason: str | None = None
     truncated: bool = False

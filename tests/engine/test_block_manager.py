@@ -107,6 +107,93 @@ def test_hash_collision_is_verified():
     assert b.num_cached == 0
 
 
+def _partial_bm(num_blocks=16, block_size=4) -> BlockManager:
+    return BlockManager(num_blocks, block_size, share_partial_blocks=True)
+
+
+def test_a_block_that_begins_like_a_cached_one_copies_its_head():
+    bm = _partial_bm()
+    a = seq(1, 10)  # blocks [0-3] [4-7] committed, [8 9] partial
+    bm.allocate(a, reserve=False)
+    run_prefill(bm, a)
+    src = a.block_table[1]
+    b = Sequence("2", [0, 1, 2, 3, 4, 5, 50, 51, 52, 53], SamplingParams())  # shares 6 tokens: 4 + 2
+    bm.allocate(b, reserve=False)
+    assert b.block_table[0] == a.block_table[0]
+    assert b.kv_copy == (src, b.block_table[1], 2) and b.block_table[1] != src
+    assert b.num_computed == b.num_cached == 6
+    assert bm.ref[src] == 2  # a's reference and the copy's pin
+    bm.release_copy(b)
+    assert b.kv_copy is None and bm.ref[src] == 1
+    run_prefill(bm, b)  # b's second block, now full, is a cached block of its own
+    assert len(bm.children[bm.block_hash[a.block_table[0]]]) == 2
+    for s in (a, b):
+        bm.free_seq(s)
+    bm.check_invariants()
+
+
+def test_the_longest_common_head_among_the_children_wins():
+    bm = _partial_bm(num_blocks=32)
+    heads = ([4, 5, 6, 7], [4, 9, 9, 9], [4, 5, 6, 1], [1, 1, 1, 1], [8, 8, 8, 8])
+    seqs = []
+    for i, h in enumerate(heads):
+        s = Sequence(str(i), [0, 1, 2, 3] + h + [70 + i], SamplingParams())
+        bm.allocate(s, reserve=False)
+        run_prefill(bm, s)
+        seqs.append(s)
+    # (next tokens, the child expected (None: a tie), tokens shared)
+    for want, src_seq, k in (([4, 9, 9, 0, 3], 1, 3), ([4, 5, 6, 2, 3], None, 3), ([1, 1, 0, 0, 0], 3, 2),
+                             ([4, 0, 0, 0, 0], None, 1), ([8, 8, 8, 0, 0], 4, 3), ([5, 0, 0, 0, 0], None, 0)):
+        q = Sequence("q", [0, 1, 2, 3] + want, SamplingParams())
+        got = bm.match_partial(q.all_ids, bm.match_prefix(q.all_ids))
+        if k == 0:
+            assert got is None, want
+            continue
+        assert got[1] == k, want
+        if src_seq is not None:
+            assert got[0] == seqs[src_seq].block_table[1], want
+
+
+def test_a_partial_hit_leaves_the_last_token_to_compute():
+    bm = _partial_bm()
+    a = seq(1, 8)
+    bm.allocate(a, reserve=False)
+    run_prefill(bm, a)
+    b = seq(2, 7)  # a's first 7 tokens: one full block, then 3 of a's second block's 4 tokens
+    bm.allocate(b, reserve=False)
+    assert b.num_computed == 6 and b.kv_copy[2] == 2
+
+
+def test_the_source_of_a_copy_is_not_evicted_before_it_is_copied():
+    bm = _partial_bm(num_blocks=3)
+    a = seq(1, 8)
+    bm.allocate(a, reserve=False)
+    run_prefill(bm, a)
+    src = a.block_table[1]
+    bm.free_seq(a)  # both blocks evictable, one block free
+    b = Sequence("2", [0, 1, 2, 3, 4, 5, 60], SamplingParams())
+    assert bm.can_allocate(b, reserve=False)  # block 0 hit, source pinned, 1 to take: the free one
+    bm.allocate(b, reserve=False)
+    assert src in bm.block_hash and src not in bm.evictable and b.kv_copy[0] == src
+    c = seq(3, 3, base=90)
+    assert not bm.can_allocate(c, reserve=False)  # the pinned source is not a free block
+    bm.release_copy(b)
+    assert src in bm.evictable
+    bm.allocate(c, reserve=False)  # now it may be evicted, and loses its place among the children
+    assert src not in bm.block_hash and not any(blk == src for kids in bm.children.values() for _, blk in kids)
+    bm.check_invariants()
+
+
+def test_partial_sharing_is_off_by_default_and_without_prefix_caching():
+    for bm in (BlockManager(16, 4), BlockManager(16, 4, enable_prefix_caching=False, share_partial_blocks=True)):
+        a = seq(1, 10)
+        bm.allocate(a, reserve=False)
+        run_prefill(bm, a)
+        b = Sequence("2", [0, 1, 2, 3, 4, 5, 50, 51], SamplingParams())
+        bm.allocate(b, reserve=False)
+        assert b.kv_copy is None and b.num_computed == (4 if bm.enable_prefix_caching else 0)
+
+
 def _sched(num_blocks=32, block_size=4, budget=16, admission="reserve", max_seqs=8, schedule="shortest_first"):
     cfg = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, admission=admission,
                        max_num_seqs=max_seqs, max_model_len=64, schedule=schedule)

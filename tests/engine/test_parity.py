@@ -98,3 +98,20 @@ def test_batched_equals_single(tiny):
     together = [o.token_ids for o in llm.generate(prompts, params)]
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert together == alone
+
+
+def test_greedy_with_partial_block_hits(tiny):
+    """Prompts that share a 21-token head (one full block of 16, then 5 tokens of the next):
+    the later ones copy the 5 rows from the first one's block and compute from token 21."""
+    from dlbatch import LLM, SamplingParams
+
+    arch, path, hf = tiny
+    head = _prompts(1, 21, 21, seed=5)[0]
+    prompts = [head + [t] + p for t, p in zip(range(3, 8), _prompts(5, 4, 30, seed=6))]
+    refs = [_hf_greedy(hf, ids, 8) for ids in prompts]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    llm = LLM(path, dtype="float32", max_model_len=256, chat=False, block_size=16)
+    first = llm.generate(prompts[:1], params)
+    rest = llm.generate(prompts[1:], params)
+    assert [o.token_ids for o in first + rest] == refs, arch
+    assert [o.cached_tokens for o in rest] == [21] * 4, arch

@@ -210,7 +210,14 @@ def test_n_samples_seeded_sample_zero_is_the_n1_output_and_reproducible(llm):
     assert llm.stats()["prefix_hit_tokens"] - hits >= 3 * 32  # every sample hit the prompt's two full blocks
     b = llm.generate([prompt], sp)[0]
     assert len(a.samples) == 3 and a.samples[0] is a
-    assert a.token_ids == one.token_ids and a.logprobs == one.logprobs
+    assert a.token_ids == one.token_ids
+    # the samples hit 39 of the 40 prompt tokens in the cache (two full blocks, 7 rows of
+    # the third, which `one`'s output filled): the last one runs as a decode row, whose
+    # attention sums in another order than the 40-row prefill's; the values agree to rounding
+    assert [e["token_id"] for e in a.logprobs] == [e["token_id"] for e in one.logprobs]
+    for x, y in zip(a.logprobs, one.logprobs):
+        assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
+        assert [t["token_id"] for t in x["top"]] == [t["token_id"] for t in y["top"]]
     assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]  # reproducible
     assert len({tuple(s.token_ids) for s in a.samples}) > 1  # independent samples
     # sample i is the request seeded seed + i
