@@ -9,6 +9,7 @@ short jobs, the bench measures the default.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -313,3 +314,19 @@ def test_sampling_extras_agree_with_our_engine(tmp_path, monkeypatch):
         assert all(set(s) == {"output", "output_ids", "output_tokens", "finish_reason", "logprobs"}
                    and len(s["logprobs"]) == s["output_tokens"] == 6 and all(len(e["top"]) == 2 for e in s["logprobs"])
                    for s in n3["samples"])
+
+
+def test_engine_arg_names_are_read_from_vllms_source_without_importing_it():
+    """The driver checks engine_args before workers start: from EngineArgs' source (ms), the
+    same names as the dataclass's fields, and vLLM is not imported to get them."""
+    code = ("import json, sys; from dlbatch.backends.vllm_backend import engine_arg_names; n = engine_arg_names(); "
+            "assert 'vllm.engine.arg_utils' not in sys.modules, 'imported'; print(json.dumps(sorted(n)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    names = json.loads(out.stdout)
+    assert names == sorted(f.name for f in dataclasses.fields(EngineArgs))
+    assert {"num_gpu_blocks_override", "enforce_eager", "enable_prefix_caching"} <= set(names)

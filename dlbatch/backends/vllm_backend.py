@@ -57,8 +57,27 @@ def unavailable_reason() -> str | None:
 
 
 def engine_arg_names() -> set[str]:
+    """The fields of vLLM's `EngineArgs`, read from its source (``ast``, milliseconds): the
+    driver checks a job's engine_args before any worker starts, and importing vLLM there
+    would put its ~8 s import on the run's critical path. Imported only when the source is
+    not the plain dataclass it reads (no such class, a base class, no fields)."""
+    import ast
     import dataclasses
 
+    names = None
+    try:
+        spec = importlib.util.find_spec("vllm")
+        path = os.path.join(list(spec.submodule_search_locations)[0], "engine", "arg_utils.py")
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineArgs"), None)
+        if cls is not None and not cls.bases:
+            names = {st.target.id for st in cls.body if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)
+                     and not ast.unparse(st.annotation).split("[")[0].endswith("ClassVar")} or None
+    except (OSError, SyntaxError, TypeError, IndexError, AttributeError):
+        names = None
+    if names is not None:
+        return names
     from vllm.engine.arg_utils import EngineArgs
 
     return {f.name for f in dataclasses.fields(EngineArgs)}
