@@ -42,6 +42,25 @@ def test_prefill_then_decode_equals_generate(tiny_path):
     assert [o.token_ids for o in b.decode(res2)] == ref
 
 
+def test_partial_block_hits_on_both_sides(tiny_path):
+    """Prompts sharing a 21-token head (a full block of 16 + 5 rows of the next): the
+    prefill engine and the decode engine each copy the 5 rows from their cache (the decode
+    side imports from token 21 on) and the tokens are generate's."""
+    from dlbatch import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    head = _prompts(1, 21, 21, seed=8)[0]
+    prompts = [head + [t] + p for t, p in zip(range(3, 7), _prompts(4, 5, 30, seed=9))]
+    ref = [o.token_ids for o in LLM(tiny_path, dtype="float32", max_model_len=256, chat=False,
+                                    enable_prefix_caching=False).generate(prompts, params)]
+    a = LLM(tiny_path, dtype="float32", max_model_len=256, chat=False)
+    b = LLM(tiny_path, dtype="float32", max_model_len=256, chat=False)
+    first = b.decode(a.prefill(prompts[:1], params))
+    rest = b.decode(a.prefill(prompts[1:], params))
+    assert [o.token_ids for o in first + rest] == ref
+    assert a.stats()["prefix_hit_tokens"] == b.stats()["prefix_hit_tokens"] == 21 * 3
+
+
 def test_seeded_sampling_survives_the_handoff(tiny_path):
     from dlbatch import LLM, SamplingParams
 
