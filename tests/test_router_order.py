@@ -123,3 +123,80 @@ def test_the_feed_in_input_order_keeps_the_input_order():
     while not feed.exhausted:
         feed.pull(d, room=lambda: True, idle=False)
     assert [r["doc_id"] for r in d.rows] == [x for x, _, _ in docs]
+
+
+class _TimedBlocks:
+    """A stream whose blocks become ready at given times of a fake clock."""
+
+    def __init__(self, timed, clock):
+        self.timed, self.clock = list(timed), clock
+
+    def get(self, timeout=0.0):
+        if not self.timed:
+            raise StopIteration
+        if self.timed[0][0] > self.clock.t:
+            return None
+        return self.timed.pop(0)[1]
+
+
+class _Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _pull_until(feed, d, clock, until):
+    while clock.t < until and not feed.exhausted:
+        feed.pull(d, room=lambda: True, idle=not d.rows)
+        clock.t = round(clock.t + 0.25, 2)
+
+
+def test_the_first_blocks_are_gathered_before_any_row_leaves():
+    """Idle workers do not take the first block of a shuffled input alone: its rows wait
+    (GATHER_S) for the next block, then every prefix leaves in one run."""
+    docs = _shuffled_few_shot(n_pre=4, per=6)
+    first, second = _table(docs[:12]), _table(docs[12:])
+    for gather, runs in ((InputFeed.GATHER_S, 4), (0.0, None)):
+        clock = _Clock()
+        feed, d = InputFeed(_TimedBlocks([(0.0, first), (1.0, second)], clock), order=PrefixOrder(), clock=clock), \
+            _Dispatcher()
+        feed.GATHER_S = gather
+        _pull_until(feed, d, clock, 0.75)
+        assert (not d.rows) == (gather > 0)  # gathering: nothing handed over before the second block
+        _pull_until(feed, d, clock, 10.0)
+        got = [r["doc_id"] for r in d.rows]
+        assert sorted(got) == sorted(x for x, _, _ in docs)
+        if runs:
+            assert _runs(got) == runs
+        else:  # without gathering the first block leaves alone, its prefixes again with the second's
+            assert _runs(got) > 4
+
+
+def test_gathering_ends_after_gather_s_while_the_stream_goes_on():
+    docs = _shuffled_few_shot(n_pre=3, per=4)
+    clock = _Clock()
+    feed, d = InputFeed(_TimedBlocks([(0.0, _table(docs[:6])), (60.0, _table(docs[6:]))], clock),
+                        order=PrefixOrder(), clock=clock), _Dispatcher()
+    _pull_until(feed, d, clock, InputFeed.GATHER_S - 0.25)
+    assert not d.rows and feed.gathering()
+    _pull_until(feed, d, clock, InputFeed.GATHER_S + 0.5)  # a slow stream: the workers do not wait for it
+    assert len(d.rows) == 6 and not feed.gathering()
+
+
+def test_only_inputs_with_prefix_groups_are_gathered():
+    rng = random.Random(3)
+    head = [rng.randrange(1000, 30000) for _ in range(20)]  # a chat template's head: every document has it
+    distinct = [(f"p{i}", "answer", head + [rng.randrange(1000, 30000) for _ in range(40)]) for i in range(30)]
+    order = PrefixOrder()
+    order.add(_table(distinct))
+    assert not order.shares_partly
+    order = PrefixOrder()
+    order.add(_table(_shuffled_few_shot(n_pre=4, per=3)))
+    assert order.shares_partly
+    # without groups the feed hands the first block over at once
+    clock = _Clock()
+    feed, d = InputFeed(_TimedBlocks([(0.0, _table(distinct)), (60.0, _table(distinct[:1]))], clock),
+                        order=PrefixOrder(), clock=clock), _Dispatcher()
+    feed.pull(d, room=lambda: True, idle=True)
+    assert len(d.rows) == 30 and not feed.gathering()

@@ -45,6 +45,9 @@ class PrefixOrder:
         self._arrival = 0
         self._sorted = True
         self.nbytes = 0
+        self._depth_counts: list[dict] = [{} for _ in self.depths]  # key -> documents, per depth (a sample)
+        self._shared_at = [False] * len(self.depths)  # some key of that depth has two documents or more
+        self.shares_partly = False  # see `_note_keys`
 
     def __len__(self) -> int:
         return len(self._docs)
@@ -69,8 +72,24 @@ class PrefixOrder:
                 self._docs.append((key, self._arrival, t, start, i))
                 self._arrival += 1
                 start = i
+                if self._arrival <= self.SAMPLE_DOCS:
+                    self._note_keys(key)
         self._sorted = False
         return self._arrival
+
+    SAMPLE_DOCS = 8192  # documents `shares_partly` looks at (the first ones held)
+
+    def _note_keys(self, key: tuple) -> None:
+        """``shares_partly``: at some depth a key is shared by two or more of the documents
+        seen and not by all of them: groups of documents with a prefix of their own, which an
+        input split into blocks spreads over several (a chat template's head, shared by every
+        document, is not such a group; nor are documents that share nothing)."""
+        for d, k in enumerate(key):
+            counts = self._depth_counts[d]
+            counts[k] = counts.get(k, 0) + 1
+            self._shared_at[d] = self._shared_at[d] or counts[k] >= 2
+            if self._shared_at[d] and len(counts) >= 2:
+                self.shares_partly = True
 
     def _key(self, prompt, salt: str | None = None) -> tuple:
         """Hashes of the prompt's first ``bs * d`` tokens per depth d, under the request's
