@@ -45,7 +45,7 @@ class PrefixOrder:
         self._arrival = 0
         self._sorted = True
         self.nbytes = 0
-        self._depth_counts: list[dict] = [{} for _ in self.depths]  # key -> documents, per depth (a sample)
+        self._seen: list[set] = [set() for _ in self.depths]  # keys seen per depth (a sample)
         self._shared_at = [False] * len(self.depths)  # some key of that depth has two documents or more
         self.shares_partly = False  # see `_note_keys`
 
@@ -72,7 +72,7 @@ class PrefixOrder:
                 self._docs.append((key, self._arrival, t, start, i))
                 self._arrival += 1
                 start = i
-                if self._arrival <= self.SAMPLE_DOCS:
+                if self._arrival <= self.SAMPLE_DOCS and not self.shares_partly:
                     self._note_keys(key)
         self._sorted = False
         return self._arrival
@@ -85,10 +85,10 @@ class PrefixOrder:
         input split into blocks spreads over several (a chat template's head, shared by every
         document, is not such a group; nor are documents that share nothing)."""
         for d, k in enumerate(key):
-            counts = self._depth_counts[d]
-            counts[k] = counts.get(k, 0) + 1
-            self._shared_at[d] = self._shared_at[d] or counts[k] >= 2
-            if self._shared_at[d] and len(counts) >= 2:
+            seen = self._seen[d]
+            self._shared_at[d] = self._shared_at[d] or k in seen
+            seen.add(k)
+            if self._shared_at[d] and len(seen) >= 2:
                 self.shares_partly = True
 
     def _key(self, prompt, salt: str | None = None) -> tuple:

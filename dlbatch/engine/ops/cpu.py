@@ -20,10 +20,11 @@ at prefill sizes (figures: docs/benchmarks.md).
 keeps the plain tensor), and bfloat16 weights on a CPU with AVX512_BF16 but no AMX, where
 oneDNN's packed bf16 GEMM is 1.1-1.8x ``F.linear``'s at every row count a step has (on AMX
 ``F.linear`` stays: the packed path was not measured there); ``linear`` takes either kind.
-A row's result must not depend on how many rows share the call (a resumed sampling job batches differently and must draw the
-same tokens): oneDNN's packed GEMM gives every row the same bits for any M >= 2, but a
-different kernel for M = 1 on AVX-512 CPUs (the 1536-wide down projection differed in the
-last bits), so a single row goes through as the first of two.
+A row's result must not depend on how many rows share the call (a resumed sampling job
+batches differently and must draw the same tokens): oneDNN's packed GEMM gives every row
+the same bits for any M >= 2, but a different kernel for M = 1 on AVX-512 CPUs (the
+1536-wide down projection differed in the last bits), so a single row goes through as the
+first of two.
 
 rms_norm, add_rms_norm, silu_and_mul, rotary_store_kv: one pass of a C kernel per row
 (``_fused.c``) instead of a chain of torch ops, each with a pass and a tensor of its own
