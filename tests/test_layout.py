@@ -11,6 +11,7 @@ import pytest
 from dlbatch.driver.chips import LOCAL_CHIP, NoChipProfile, cluster_chips
 from dlbatch.driver.config import RunConfig
 from dlbatch.driver.layout import resolve_layout
+from dlbatch.engine.config import DEFAULT_MAX_NUM_SEQS
 from dlbatch.jobspec import JobSpecError, load_job
 from dlbatch.solver import ModelSpec, Workload, catalog_profiles, choose_layout, simulate
 from dlbatch.solver.layout import MIN_GAIN, SIM_DOCS
@@ -121,7 +122,8 @@ def test_several_chip_types_are_weighed_on_the_measured_workload(paper_workload,
 # ------------------------------------------------------------------------- the choice, from profiles
 def _simulated(choice, mode):
     cand = next(c for c in choice.candidates if c.mode == mode)
-    sim = simulate(cand.plan, CHIPS, M, WL, n_docs=min(WL.n_docs, SIM_DOCS), max_batch=64, chunk_tokens=4096)
+    sim = simulate(cand.plan, CHIPS, M, WL, n_docs=min(WL.n_docs, SIM_DOCS), max_batch=DEFAULT_MAX_NUM_SEQS,
+                   chunk_tokens=4096)
     return sim.docs_per_s / cand.plan.cost_per_hour
 
 

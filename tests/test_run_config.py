@@ -13,6 +13,7 @@ from dlbatch.backends import (DEFAULT_BACKEND, REGISTRY, BackendUnavailable, Dis
 from dlbatch.backends.native import NativeBackend
 from dlbatch.backends.vllm_backend import VllmBackend
 from dlbatch.driver.config import RunConfig
+from dlbatch.engine.config import DEFAULT_MAX_NUM_SEQS
 from dlbatch.jobspec import JobSpecError, load_job
 from dlbatch.workers.pools import JobFailed
 
@@ -133,7 +134,7 @@ def test_worker_specs_carry_each_backends_engine_args(job, vllm_installed, monke
     monkeypatch.setattr(vllm_backend, "engine_arg_names", lambda: {"enforce_eager"})  # vLLM's names, not imported
     theirs = RunConfig.resolve(job(*VLLM, "model.engine_args.enforce_eager=true"))
     w = theirs.pools["colocated"].worker
-    assert w.engine_args == {"enforce_eager": True} and w.engine.max_num_seqs == 64 and not theirs.pd
+    assert w.engine_args == {"enforce_eager": True} and w.engine.max_num_seqs == DEFAULT_MAX_NUM_SEQS and not theirs.pd
     assert w.engine.max_model_len == 2048  # vLLM is always given the run's context
 
 

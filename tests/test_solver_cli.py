@@ -10,6 +10,7 @@ import re
 import pytest
 
 from dlbatch.cli import main
+from dlbatch.engine.config import DEFAULT_MAX_NUM_SEQS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "jobs", "papers.yaml")
@@ -79,7 +80,7 @@ def test_plan_catalog_writes_json_the_runner_reads(tmp_path, capsys):
     assert re.search(r"chip\s+role\s+replicas", text)
     plan = json.load(open(out))
     assert plan["pools"] and plan["usd_per_hour"] == pytest.approx(plan["cost_per_hour"])
-    assert plan["max_batch"] == 64 and plan["chunk_tokens"] == 4096
+    assert plan["max_batch"] == DEFAULT_MAX_NUM_SEQS and plan["chunk_tokens"] == 4096
     for p in plan["pools"]:
         assert p["role"] in ("prefill", "decode", "colocated") and p["replicas"] >= 1
         assert p["chip_resource"] == p["chip"] and p["chip"] in ("h100_sxm", "l4")

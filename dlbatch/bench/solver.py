@@ -68,6 +68,8 @@ def run(args) -> int:
                                 solve)
     from dlbatch.driver.config import RunConfig
     from dlbatch.driver.workload import job_workload
+    from dlbatch.driver.layout import max_num_seqs
+    from dlbatch.engine.config import DEFAULT_MAX_NUM_SEQS
     from dlbatch.bench.chip_profile import format_profile, profile_device, save_profile_result
 
     root = _root()
@@ -95,7 +97,8 @@ def run(args) -> int:
     else:
         out = args.out_profile or os.path.join(root, "configs", "chips", f"{args.name}.yaml")
         res = profile_device(spec.model.name, args.name, device="cpu", dtype=spec.model.dtype, quick=True,
-                             max_model_len=spec.model.max_model_len, num_threads=n_cores, max_batch=64,
+                             max_model_len=spec.model.max_model_len, num_threads=n_cores,
+                             max_batch=DEFAULT_MAX_NUM_SEQS,
                              price_per_hour=args.price_per_hour)
         save_profile_result(res, out)
         prof = res.profile
@@ -118,14 +121,15 @@ def run(args) -> int:
     # each ~max_batch_tokens // prompt tokens requests; never more than K x documents
     prompt_mean = max(1.0, wl.mean_doc + wl.mean_suffix)
     per_batch = max(1, int(spec.batching.max_batch_tokens // prompt_mean))
-    max_batch = max(1, min(64, spec.batching.max_inflight_batches * per_batch, K * wl.n_docs))
+    max_batch = max(1, min(max_num_seqs(spec), spec.batching.max_inflight_batches * per_batch, K * wl.n_docs))
     chunk = max(512, min(spec.batching.max_batch_tokens, 4096))
     chips = {args.name: prof}
     print()
     print("[2] plan")
     print(sample.describe())
     print(f"availability: {args.name}=1 (this machine as one worker with {n_cores} threads); per worker "
-          f"{max_batch} sequences (min(64 = max_num_seqs, max_inflight_batches {spec.batching.max_inflight_batches}"
+          f"{max_batch} sequences (min({max_num_seqs(spec)} = max_num_seqs, max_inflight_batches "
+          f"{spec.batching.max_inflight_batches}"
           f" x {per_batch} requests per {spec.batching.max_batch_tokens}-token batch, K x documents)), prefill "
           f"chunks of {chunk} tokens")
     plan = solve(chips, {args.name: 1}, model, wl, "throughput", max_batch=max_batch, chunk_tokens=chunk)

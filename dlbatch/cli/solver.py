@@ -19,6 +19,8 @@ import sys
 
 from dlbatch.driver.chips import chips_dir as _chips_dir
 from dlbatch.driver.chips import default_chip_files, local_available
+from dlbatch.driver.layout import max_num_seqs
+from dlbatch.engine.config import DEFAULT_MAX_NUM_SEQS
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 
@@ -62,7 +64,9 @@ def register(sub) -> None:
     f.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     f.add_argument("--max-model-len", type=int, default=None)
     f.add_argument("--threads", type=int, default=None, help="torch threads (CPU; default: all cores)")
-    f.add_argument("--max-batch", type=int, default=64, help="sequences per worker at run time (max_num_seqs)")
+    f.add_argument("--max-batch", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                   help=f"sequences per worker at run time (max_num_seqs; default {DEFAULT_MAX_NUM_SEQS} as "
+                        "dlbatch run)")
     f.add_argument("--kv-cache-memory", default=None, help="KV cache size the workers run with (e.g. 2GiB)")
     f.add_argument("--kv-transport", default="memcpy", choices=["memcpy", "shm", "object_store"],
                    help="how to measure KV bandwidth")
@@ -81,8 +85,9 @@ def _common(p) -> None:
     p.add_argument("--sample", type=int, default=32, metavar="N", help="documents read to measure the length mix")
     p.add_argument("--no-report", action="store_true",
                    help="use max_tokens as output length even if a previous run's _report.json exists")
-    p.add_argument("--max-batch", type=int, default=64,
-                   help="sequences per worker (the workers' max_num_seqs; default 64 as dlbatch run)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="sequences per worker (the workers' max_num_seqs; default as dlbatch run: the job's "
+                        f"model.engine_args.max_num_seqs, else {DEFAULT_MAX_NUM_SEQS})")
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="prefill tokens per forward pass (default: as dlbatch run, "
                         "max(512, min(batching.max_batch_tokens, 4096)))")
@@ -129,12 +134,13 @@ def _job_context(args):
     if not chips:
         raise ValueError(f"no chip files: pass --chips FILE... (measured profiles from `dlbatch profile` or "
                          f"{os.path.join(_chips_dir(), 'catalog.yaml')})")
-    if args.max_batch < 1:
-        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    max_batch = max_num_seqs(spec) if args.max_batch is None else args.max_batch
+    if max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
     chunk = args.chunk_tokens or max(512, min(spec.batching.max_batch_tokens, 4096))
     if chunk < 1:
         raise ValueError(f"--chunk-tokens must be >= 1, got {chunk}")
-    return spec, config, sample, chips, args.max_batch, chunk
+    return spec, config, sample, chips, max_batch, chunk
 
 
 def cmd_plan(args) -> int:

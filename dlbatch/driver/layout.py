@@ -99,8 +99,17 @@ def _choose(spec, chips: dict[str, int], roles: tuple[str, ...], max_model_len: 
     sample = job_workload(spec, sample=SAMPLE_DOCS, max_model_len=max_model_len)
     profiles = chip_profiles(chips, sample.model)
     return choose_layout(profiles, chips, sample.model, sample.workload, objective=spec.cluster.objective,
-                         ttft_target_s=spec.cluster.ttft_target_s, roles=roles,
+                         ttft_target_s=spec.cluster.ttft_target_s, roles=roles, max_batch=max_num_seqs(spec),
                          chunk_tokens=max(512, min(spec.batching.max_batch_tokens, 4096)))
+
+
+def max_num_seqs(spec) -> int:
+    """Sequences one worker runs at once: the job's ``model.engine_args.max_num_seqs`` (both
+    backends take it), else the engine's default."""
+    from dlbatch.engine.config import DEFAULT_MAX_NUM_SEQS
+
+    n = (spec.model.engine_args or {}).get("max_num_seqs")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else DEFAULT_MAX_NUM_SEQS
 
 
 def _pool_sections(spec, backend, pools: list[tuple[str, str, int]]) -> dict:

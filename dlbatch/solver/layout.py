@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from dlbatch.engine.config import DEFAULT_MAX_NUM_SEQS
 from dlbatch.solver.capacity import ROLES, role_rates
 from dlbatch.solver.milp import Plan, SolverError, solve
 from dlbatch.solver.profile import ChipProfile, ModelSpec
@@ -114,7 +115,7 @@ def colocated_everywhere(chip: str, count: int) -> LayoutChoice:
 
 def choose_layout(chips: dict[str, ChipProfile], available: dict[str, int], model: ModelSpec, workload: Workload,
                   objective: str = "cost", ttft_target_s: float | None = None, roles: Iterable[str] = ROLES,
-                  max_batch: int = 64, chunk_tokens: int = 4096) -> LayoutChoice:
+                  max_batch: int = DEFAULT_MAX_NUM_SEQS, chunk_tokens: int = 4096) -> LayoutChoice:
     """The layout for ``workload`` on ``available`` chips (name -> count, each with a profile
     in ``chips``); ``roles``: the worker roles the backend fills. See the module docstring."""
     if objective not in OBJECTIVES:
@@ -153,7 +154,7 @@ def _candidate(mode: str, chips, available, model, workload, objective, max_batc
                      ttft_s=ttft_s(plan, chips, model, workload, max_batch, chunk_tokens))
 
 
-def ttft_s(plan: Plan, chips: dict[str, ChipProfile], model: ModelSpec, workload: Workload, max_batch: int = 64,
+def ttft_s(plan: Plan, chips: dict[str, ChipProfile], model: ModelSpec, workload: Workload, max_batch: int = DEFAULT_MAX_NUM_SEQS,
            chunk_tokens: int = 4096) -> float:
     """Seconds from a document's prefill start to its first token on ``plan``'s slowest
     prefilling pool (the module docstring's estimate)."""
