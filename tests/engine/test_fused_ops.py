@@ -166,13 +166,31 @@ def test_bf16_rows_round_where_the_reference_rounds():
     want, want_h = reference.add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(h, want_h)
     same_but_last_bits(got, want)
-    assert native.silu_and_mul(torch.randn(4, 64).bfloat16()) is None  # bf16: torch's is faster
+    if not native.FUSED.get().dl_fused_bf16_width():  # bf16 on the 8-wide path: torch's is faster
+        assert native.silu_and_mul(torch.randn(4, 64).bfloat16()) is None
     x[5, 3] = float("nan")
     assert native.rms_norm(x, w, 1e-5)[5].isnan().all() and not native.rms_norm(x, w, 1e-5)[6].isnan().any()
     one = native.rms_norm(x[7:8], w, 1e-5, res[7:8])  # a row alone: the bits it has in the batch
     assert torch.equal(one[0], native.rms_norm(x, w, 1e-5, res)[0][7:8])
     x16 = torch.randn(4, 64).half()
     assert native.rms_norm(x16, torch.ones(64).half(), 1e-6) is None and native.silu_and_mul(x16) is None
+
+
+@pytest.mark.skipif(native.FUSED.get() is None or not native.FUSED.get().dl_fused_bf16_width(),
+                    reason="bf16 silu_and_mul runs in C only on AVX-512 (elsewhere torch's)")
+@pytest.mark.parametrize("rows,n", [(1, 1536), (9, 19), (300, 1536)])
+def test_bf16_silu_and_mul_gives_the_references_bits(rows, n):
+    """silu rounded to bf16 as torch's bf16 silu stores it, then the product rounded: the
+    reference's bits, exp's clamps included (silu -> -0 far below zero, x far above), for
+    widths with a tail and for a row computed alone."""
+    g = _g(n)
+    x = (torch.randn(rows, 2 * n, generator=g) * 4).bfloat16()
+    x[0, :5] = torch.tensor([-100.0, 100.0, -87.5, 89.0, -3.0e38])
+    got = native.silu_and_mul(x)
+    want = reference.silu_and_mul(x)
+    assert got is not None and got.dtype == torch.bfloat16
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    assert torch.equal(native.silu_and_mul(x[-1:]), got[-1:])
 
 
 def test_posix_build_gives_the_openmp_bits(monkeypatch):

@@ -14,8 +14,10 @@
  * last place (squares summed in another order). In float32 the arithmetic per element is the
  * reference's (the compiler may fuse a multiply and an add; the squares are summed in another
  * order). rms_norm and silu_and_mul run on vectors of W floats, rotary's half precision
- * element by element (its rows are short). bf16 models keep the reference silu_and_mul:
- * torch's is faster for bf16 rows than a C version (docs/benchmarks.md).
+ * element by element (its rows are short). Where AVX-512 exists, bfloat16 rows (rms_norm,
+ * silu_and_mul, rotary) run on 16-float vectors with masked tails instead (the 8-wide code
+ * compiles to long shuffle chains for bf16); silu_and_mul takes bf16 only there: the 8-wide
+ * version was slower than torch's (docs/benchmarks.md).
  * Every row is computed alone: a row's result never depends on the other rows of the
  * call (a resumed sampling job batches differently and must draw the same tokens).
  * Rows are split over `nthreads` OpenMP threads (torch's own workers, as in
@@ -188,6 +190,103 @@ static void norm_row_b(const uint16_t *x, const uint16_t *res, uint16_t *h, uint
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* bfloat16 rows on 16-float AVX-512 vectors, the same roundings as the 8-wide code above
+ * (which compilers turn into a long chain of shuffles for bf16): a row's tail through
+ * masked loads (zeros) and stores, exp by scalef (2^n of any n, so overflow gives inf) */
+#include <immintrin.h>
+#define B16 1
+typedef float vf16 __attribute__((vector_size(64)));
+#define vf vf16
+#undef F
+#define F(name) name##_w16
+#include "_vexp.h"
+#undef F
+#undef vf
+
+static inline __mmask16 tail16(int64_t m) { return m >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1u); }
+static inline __m512 ld16(const uint16_t *p, __mmask16 k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+/* bf16 bits of x, rounded to nearest even as torch rounds (NaN -> 0x7FC0), one per 32-bit lane */
+static inline __m512i bits16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+#ifdef __AVX512BF16__
+/* the CPU's own rounding (vcvtneps2bf16): the same bits but for NaN's sign and payload and
+ * inputs below bf16's smallest normal (~1.2e-38), which it flushes to zero */
+static inline __m256i pack16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+#else
+static inline __m256i pack16(__m512 x) { return _mm512_cvtepi32_epi16(bits16(x)); }
+#endif
+static inline __m512 rnd16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pack16(x)), 16));
+}
+static inline void st16(uint16_t *p, __m512 x, __mmask16 k) { _mm256_mask_storeu_epi16(p, k, pack16(x)); }
+
+static void norm_row_b16(const uint16_t *x, const uint16_t *res, uint16_t *h, uint16_t *out, const uint16_t *w,
+                         int64_t n, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = tail16(n - i);
+        __m512 v = ld16(x + i, k);
+        if (res) {
+            v = rnd16(_mm512_add_ps(ld16(res + i, k), v));
+            st16(h + i, v, k);
+        }
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps));
+    const uint16_t *src = res ? h : x;
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = tail16(n - i);
+        st16(out + i, _mm512_mul_ps(ld16(w + i, k), rnd16(_mm512_mul_ps(ld16(src + i, k), r))), k);
+    }
+}
+
+/* exp(x) for any x: |rel err| < 2e-7 where the result is normal, inf above ~88.7, 0 below -104 */
+static inline __m512 vexp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf16 r = (vf16)x - (vf16)n * 0.693145751953125f - (vf16)n * 1.428606765330187045e-06f;
+    return _mm512_scalef_ps((__m512)exp_poly_w16(r), n);
+}
+
+/* out = rnd(rnd(silu(a)) * b): silu rounded to bf16 as torch's bf16 silu stores it, then the product */
+static void silu_row_b16(const uint16_t *a, const uint16_t *b, uint16_t *o, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = tail16(n - i);
+        const __m512 x = ld16(a + i, k);
+        const __m512 s = rnd16(_mm512_div_ps(x, _mm512_add_ps(one, vexp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+        st16(o + i, _mm512_mul_ps(s, ld16(b + i, k)), k);
+    }
+}
+
+/* rotate_h for bf16, 16 pairs at a time: each product rounded, then their sum */
+static void rotate_b16(uint16_t *p, const uint16_t *c, const uint16_t *s, int64_t half) {
+    for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 k = tail16(half - i);
+        const __m512 a = ld16(p + i, k), b = ld16(p + half + i, k);
+        const __m512 x = _mm512_sub_ps(rnd16(_mm512_mul_ps(a, ld16(c + i, k))), rnd16(_mm512_mul_ps(b, ld16(s + i, k))));
+        const __m512 y = _mm512_add_ps(rnd16(_mm512_mul_ps(b, ld16(c + half + i, k))),
+                                       rnd16(_mm512_mul_ps(a, ld16(s + half + i, k))));
+        st16(p + i, x, k);
+        st16(p + half + i, y, k);
+    }
+}
+#else
+#define B16 0
+#endif
+
+/* 16 when bfloat16 rows run on the 16-float vectors above, else 0 (then a bf16 silu_and_mul
+ * is torch's: faster than the 8-wide code) */
+int dl_fused_bf16_width(void) { return B16 ? 16 : 0; }
+
 /* rows of n elements of kind `ak` (float32 or bfloat16): x row r at x + r * xs elements (res,
  * h likewise; res and h NULL for plain rms_norm) */
 void dl_rms_norm(const void *x, int64_t xs, const void *res, int64_t rs, void *h, int64_t hs,
@@ -195,6 +294,13 @@ void dl_rms_norm(const void *x, int64_t xs, const void *res, int64_t rs, void *h
     const int nt = threads_for(rows, n, nthreads);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
+#if B16
+        if (ak == KV_BF16) {
+            norm_row_b16((const uint16_t *)x + r * xs, res ? (const uint16_t *)res + r * rs : 0,
+                         res ? (uint16_t *)h + r * hs : 0, (uint16_t *)out + r * os, w, n, eps);
+            continue;
+        }
+#endif
         if (ak == KV_BF16)
             norm_row_b((const uint16_t *)x + r * xs, res ? (const uint16_t *)res + r * rs : 0,
                        res ? (uint16_t *)h + r * hs : 0, (uint16_t *)out + r * os, w, n, eps);
@@ -206,13 +312,23 @@ void dl_rms_norm(const void *x, int64_t xs, const void *res, int64_t rs, void *h
 
 static inline vf silu_mul(vf a, vf b) { return a / (1.0f + vexp(-a)) * b; }
 
-/* x row r: n gate values then n up values at x + r * xs; out row r: n values at out + r * os */
-void dl_silu_and_mul(const float *x, int64_t xs, float *out, int64_t os, int64_t rows, int64_t n, int nthreads) {
+/* x row r: n gate values then n up values at x + r * xs; out row r: n values at out + r * os;
+ * rows of kind `ak`: float32, or bfloat16 where dl_fused_bf16_width() is 16 */
+void dl_silu_and_mul(const void *xv, int64_t xs, void *outv, int64_t os, int64_t rows, int64_t n, int ak,
+                     int nthreads) {
     const int nt = threads_for(rows, 2 * n, nthreads);
+    (void)ak; /* float32 only without the 16-float path */
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float *a = x + r * xs, *b = a + n;
-        float *o = out + r * os;
+#if B16
+        if (ak == KV_BF16) {
+            const uint16_t *a = (const uint16_t *)xv + r * xs;
+            silu_row_b16(a, a + n, (uint16_t *)outv + r * os, n);
+            continue;
+        }
+#endif
+        const float *a = (const float *)xv + r * xs, *b = a + n;
+        float *o = (float *)outv + r * os;
         int64_t i = 0;
         for (; i + W <= n; i += W) st(o + i, silu_mul(ld(a + i), ld(b + i)));
         if (i < n) st_part(o + i, silu_mul(ld_part(a + i, n - i), ld_part(b + i, n - i)), n - i);
@@ -246,7 +362,11 @@ AI void rotate_h(void *p, const void *c, const void *s, int64_t half, const int 
 
 static void rotate_any(void *p, const void *c, const void *s, int64_t half, int ak) {
     if (ak == KV_F32) rotate((float *)p, (const float *)c, (const float *)s, half);
+#if B16
+    else if (ak == KV_BF16) rotate_b16((uint16_t *)p, (const uint16_t *)c, (const uint16_t *)s, half);
+#else
     else if (ak == KV_BF16) rotate_h(p, c, s, half, KV_BF16);
+#endif
     else rotate_h(p, c, s, half, KV_F16);
 }
 

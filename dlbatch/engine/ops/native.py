@@ -71,7 +71,9 @@ def bind_fused(L):
     L.dl_rms_norm.restype = None
     L.dl_rms_norm.argtypes = [_P, L64, _P, L64, _P, L64, _P, L64, _P, L64, L64, ctypes.c_float, _I, _I]
     L.dl_silu_and_mul.restype = None
-    L.dl_silu_and_mul.argtypes = [_P, L64, _P, L64, L64, L64, _I]
+    L.dl_silu_and_mul.argtypes = [_P, L64, _P, L64, L64, L64, _I, _I]
+    L.dl_fused_bf16_width.restype = _I  # 16: bf16 rows on AVX-512 vectors (silu_and_mul takes them), else 0
+    L.dl_fused_bf16_width.argtypes = []
     L.dl_rotary_store.restype = None
     L.dl_rotary_store.argtypes = [_P, L64, L64, _P, L64, L64, _P, L64, L64, _P, _P, _P, _P, _P, _I, L64, _I, _I,
                                   L64, _I, _I]
@@ -201,7 +203,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
     """x as a 2-D float32 or bfloat16 CPU tensor of rows with contiguous elements (a view), or
     None (float16 rows: the reference)."""
-    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.dim() < 2 or x.stride(-1) != 1:
+    if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu or x.dim() < 2 or x.stride(-1) != 1:
         return None
     if x.dim() == 2:
         return x
@@ -220,26 +222,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             or weight.dtype != x.dtype or weight.shape != (n,) or not weight.is_contiguous()):
         return None
     rows = x2.shape[0]
-    out = torch.empty((rows, n), dtype=x.dtype)
-    h = torch.empty((rows, n), dtype=x.dtype) if residual is not None else None
+    out = torch.empty(rows, n, dtype=x.dtype)
+    h = torch.empty(rows, n, dtype=x.dtype) if residual is not None else None
     res_ptr, res_stride, h_ptr = (r2.data_ptr(), r2.stride(0), h.data_ptr()) if h is not None else (None, 0, None)
     L.dl_rms_norm(x2.data_ptr(), x2.stride(0), res_ptr, res_stride, h_ptr, n, out.data_ptr(), n, weight.data_ptr(),
                   rows, n, float(eps), KV_KINDS[x.dtype], torch.get_num_threads())
-    if h is None:
-        return out.view(x.shape)
-    return out.view(x.shape), h.view(x.shape)
+    if x.dim() != 2:  # (a view costs microseconds: rows of a step are 2-D already)
+        out, h = out.view(x.shape), None if h is None else h.view(x.shape)
+    return out if h is None else (out, h)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """silu(x[..., :n]) * x[..., n:] for x (..., 2n); None when the kernel cannot take x."""
     L = FUSED.get()
-    x2 = _rows(x) if x.dtype == torch.float32 else None  # bf16: torch's is faster (docs/benchmarks.md)
-    if L is None or x2 is None or x.shape[-1] % 2:
+    if L is None or x.shape[-1] % 2:
+        return None
+    # bf16 only on the 16-float path: the 8-wide one is slower than torch's (docs/benchmarks.md)
+    x2 = _rows(x) if x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and L.dl_fused_bf16_width()) else None
+    if x2 is None:
         return None
     rows, n = x2.shape[0], x.shape[-1] // 2
-    out = torch.empty((rows, n), dtype=x.dtype)
-    L.dl_silu_and_mul(x2.data_ptr(), x2.stride(0), out.data_ptr(), n, rows, n, torch.get_num_threads())
-    return out.view(*x.shape[:-1], n)
+    out = torch.empty(rows, n, dtype=x.dtype)
+    L.dl_silu_and_mul(x2.data_ptr(), x2.stride(0), out.data_ptr(), n, rows, n, KV_KINDS[x.dtype],
+                      torch.get_num_threads())
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots) -> tuple | None:
