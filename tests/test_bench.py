@@ -182,6 +182,7 @@ def test_pipeline_shared_prefix_workload_smoke(tmp_path, sample_model):
         s = r["sides"][k]
         assert s["wall_s"] > 0 and s["prompt_tokens"] >= r["ideal_prefill_tokens"], s
         assert s["prompt_tokens"] - s["cached_tokens"] >= r["ideal_prefill_tokens"] * 0.9  # nothing computed twice is free
+        assert 0 < s["floor"]["floor_s"] < s["generation_s"], s  # the floor is a bound, below what was measured
     assert "skipped" in r["sides"]["peer"] and "skipped" in r["sides"]["ours_vllm"]
     _check_limits(r["limits"], ["float32"])
 

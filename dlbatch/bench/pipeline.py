@@ -53,7 +53,8 @@ def add_arguments(p) -> None:
                         "own engine beside them (dlbatch/bench/pipeline_vllm.py)")
     p.add_argument("--peer-python", action="append", default=[], metavar="PATH", type=os.path.abspath,
                    help="--backend vllm: python of a virtualenv with ray[data] and vllm (Ray Data LLM)")
-    p.add_argument("--repeats", type=int, default=1, help="--backend vllm: runs per side (medians printed)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="--backend vllm and --workload: runs per side (medians printed; --workload interleaves them)")
     p.add_argument("--peer-timeout", type=int, default=1800, help="--backend vllm: seconds the peer may take")
     from dlbatch.bench.workloads import add_arguments as add_workload_arguments
 

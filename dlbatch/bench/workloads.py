@@ -24,7 +24,11 @@ Sides, each one process from its start to all rows in hand (start-up included):
 
 Generation phase: from each run report's first token to its last result (start-up
 excluded), for the sides that have a report. Limit: the matmul peak of the dtype and the
-copy bandwidth measured in the same run, and the workload's lower bound from them.
+copy bandwidth, measured before and after the sides (the better of the two kept), and from
+them each side's generation floor (`generation_floor`): the matmuls of the tokens that side
+computed at the peak, plus its decode steps' KV reads at the copy bandwidth.
+``--repeats N`` runs every side N times, interleaved (ours, PD, vLLM, the peer, then again),
+and prints the medians with each run's figure beside them.
 """
 from __future__ import annotations
 
@@ -130,33 +134,42 @@ def run_workload(args) -> int:
     print(f"dlbatch bench pipeline --workload {args.workload}: {len(docs)} rows, prompts {min(lens)}-{max(lens)} "
           f"tokens, {max_tokens} new tokens each, {dtype}, greedy; ideal prefill {ideal} tokens"
           + (f"; KV cache capped at {cap} blocks" if cap else ""), flush=True)
+    repeats = max(1, args.repeats)
     result = {"bench": f"pipeline_{args.workload}", "machine": machine_info(), "rows": len(docs),
-              "ideal_prefill_tokens": ideal, "kv_cap_blocks": cap,
-              "limits": limits.measure(sorted({dtype}), "cpu", quick=args.quick)}
-    out: dict = {}
+              "ideal_prefill_tokens": ideal, "kv_cap_blocks": cap, "repeats": repeats}
+    before = limits.measure(sorted({dtype}), "cpu", quick=args.quick)
     if args.quick:  # a smoke run: our engine's two layouts (vLLM's start alone takes a minute)
         sides = {k: v for k, v in sides.items() if k != "ours_vllm"}
-    for name, s in sides.items():
-        side = _run_ours(args.job, s, f"{tmp}/out_{name}", f"{tmp}/{name}.log")
-        out[name] = _report_figures(side, f"{tmp}/out_{name}")
-        print(f"  {name}: {out[name].get('wall_s', out[name].get('error', '')[:200])}", flush=True)
     why = peer_usable(args.peer_python[0] if args.peer_python else None)
-    if why is None:
-        req = {"jsonl": jsonl, "model": model_dir_for_vllm(spec.model.ref), "dtype": dtype, "max_model_len": mml,
-               "tasks": [{"name": "answer", "prefix": "", "suffix": prompt.replace("{{ text }}", "").replace("\\n", "\n"),
-                          "max_tokens": max_tokens}],
-               "num_cpus": cpus, "batch_size": args.batch_size,
-               "engine_kwargs": {"num_gpu_blocks_override": cap} if cap else {},
-               "env": {"VLLM_CPU_KVCACHE_SPACE": "2",
-                       "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}}
-        out["peer"] = _run_peer(args.peer_python[0], req, tmp, args.peer_timeout)
-        print(f"  peer: {out['peer'].get('wall_s', out['peer'].get('error', '')[:200])}", flush=True)
-    else:
+    req = {"jsonl": jsonl, "model": model_dir_for_vllm(spec.model.ref), "dtype": dtype, "max_model_len": mml,
+           "tasks": [{"name": "answer", "prefix": "", "suffix": prompt.replace("{{ text }}", "").replace("\\n", "\n"),
+                      "max_tokens": max_tokens}],
+           "num_cpus": cpus, "batch_size": args.batch_size,
+           "engine_kwargs": {"num_gpu_blocks_override": cap} if cap else {},
+           "env": {"VLLM_CPU_KVCACHE_SPACE": "2",
+                   "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}}
+    runs: dict[str, list] = {}
+    for rep in range(repeats):  # interleaved: a slow spell of the machine falls on every side alike
+        for name, s in sides.items():
+            where = f"{tmp}/out_{name}_{rep}"
+            side = _report_figures(_run_ours(args.job, s, where, f"{tmp}/{name}_{rep}.log"), where)
+            runs.setdefault(name, []).append(side)
+            print(f"  {name}: {side.get('wall_s', side.get('error', '')[:200])}", flush=True)
+        if why is None:
+            runs.setdefault("peer", []).append(_run_peer(args.peer_python[0], req, tmp, args.peer_timeout))
+            print(f"  peer: {runs['peer'][-1].get('wall_s', runs['peer'][-1].get('error', '')[:200])}", flush=True)
+    out = {name: median_side(r) for name, r in runs.items()}
+    if why is not None:
         out["peer"] = {"skipped": why}
     out.setdefault("ours_vllm", {"skipped": "--quick"})
-    for v in out.values():
-        v.pop("rows", None)
-    result.update(sides=out, targets=_targets(out, shared, ideal))
+    result["limits"] = limits.merge_best(before, limits.measure(sorted({dtype}), "cpu", quick=args.quick))
+    counts = model_counts(spec.model.ref, dtype)
+    for name, v in out.items():
+        done = v.pop("rows", None)  # the side's result rows: one sequence each
+        floor = generation_floor(counts, v, len(done) if isinstance(done, list) else len(docs), result["limits"])
+        if floor:
+            v["floor"] = floor
+    result.update(sides=out, model_counts=counts, targets=_targets(out, shared, ideal))
     return finish_bench(result, render, args.json)
 
 
@@ -176,6 +189,61 @@ def _kv_cap(docs: list[dict], tok, spec, block: int = 16) -> int:
     pres = {d["prefix"]: d["text"].rsplit("\nQ: Is ", 1)[0] for d in docs}
     mean = sum(len(tok.encode(t)) for t in pres.values()) / len(pres)
     return max(64, int(len(pres) / 8 * mean / block) + 64)
+
+
+def model_counts(model: str, dtype: str) -> dict:
+    """Weights the model multiplies per token (the layers' linears; the LM head apart) and its
+    KV bytes per token in the dtype the engine computes in here, from its config.json."""
+    from dlbatch.engine.config import ModelConfig
+    from dlbatch.engine.device import compute_dtype
+    from dlbatch.engine.loader import model_dir
+
+    fs, root = model_dir(model)
+    with fs.open(root.rstrip("/") + "/config.json", "r") as f:
+        cfg = ModelConfig.from_hf(json.load(f))
+    h, layers = cfg.hidden_size, cfg.num_layers
+    linear = layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size)
+    computed = compute_dtype(dtype, "cpu")
+    return {"linear_params": linear, "lm_head_params": cfg.vocab_size * h, "compute_dtype": computed,
+            "kv_bytes_per_token": 2 * layers * cfg.kv_size * (4 if computed == "float32" else 2)}
+
+
+def generation_floor(counts: dict, side: dict, rows: int, limits: dict) -> dict | None:
+    """The least time a side's generation can take on this machine: the matmuls of what it
+    computed (every prompt token not served by its prefix cache and every generated token
+    fed back through the layers; the LM head once per generated token) at the measured
+    matmul peak, then each decode row's read of its sequence's KV (the mean context: prompt
+    plus half the output) at the measured copy bandwidth. Attention arithmetic, elementwise
+    ops and the host are left out, so no engine can go below it. None without token counts."""
+    if not rows or "prompt_tokens" not in side or not side.get("output_tokens"):
+        return None
+    out = side["output_tokens"]
+    computed, decode_rows = side["prompt_tokens"] - side.get("cached_tokens", 0), max(0, out - rows)
+    flops = 2.0 * counts["linear_params"] * (computed + decode_rows) + 2.0 * counts["lm_head_params"] * out
+    ctx = side["prompt_tokens"] / rows + out / rows / 2
+    kv = decode_rows * ctx * counts["kv_bytes_per_token"]
+    mm = limits["matmul"].get(counts["compute_dtype"]) or limits["matmul"]["float32"]
+    matmul_s, kv_s = flops / mm["flops"], kv / (limits["copy"]["copy_GBps"] * 1e9)
+    return {"matmul_s": matmul_s, "kv_s": kv_s, "floor_s": matmul_s + kv_s, "flops": flops, "kv_bytes": kv}
+
+
+def median_side(runs: list[dict]) -> dict:
+    """One side's runs -> the run of median wall time, with the median generation phase and
+    every run's wall and generation kept under ``runs``; an error when no run finished."""
+    ok = [r for r in runs if "wall_s" in r]
+    if not ok:
+        return runs[0]
+    ok.sort(key=lambda r: r["wall_s"])
+    side = dict(ok[(len(ok) - 1) // 2])
+    gens = sorted(r["generation_s"] for r in ok if r.get("generation_s") is not None)
+    if gens:
+        side["generation_s"] = gens[(len(gens) - 1) // 2] if len(gens) % 2 else (gens[len(gens) // 2 - 1]
+                                                                                 + gens[len(gens) // 2]) / 2
+    if len(ok) % 2 == 0:
+        side["wall_s"] = (ok[len(ok) // 2 - 1]["wall_s"] + ok[len(ok) // 2]["wall_s"]) / 2
+    if len(runs) > 1:
+        side["runs"] = [{k: r.get(k) for k in ("wall_s", "generation_s", "error")} for r in runs]
+    return side
 
 
 def _targets(out: dict, shared: bool, ideal: int) -> list[dict]:
@@ -212,20 +280,37 @@ def render(result: dict) -> str:
     for k, name in names.items():
         x = s.get(k, {})
         if "wall_s" not in x:
-            rows.append([name, x.get("skipped") or x.get("error", "")[:100], "", "", "", ""])
+            rows.append([name, "-", "", "", "", "", "", x.get("skipped") or x.get("error", "")[:100]])
             continue
         computed = x.get("prompt_tokens", 0) - x.get("cached_tokens", 0) if "prompt_tokens" in x else None
-        rows.append([name, f"{x['wall_s']:.1f}", "" if x.get("generation_s") is None else f"{x['generation_s']:.1f}",
-                     "" if computed is None else f"{computed} ({computed / ideal:.2f}x ideal)",
-                     "" if k == "peer" or "wall_s" not in s["peer"] else f"{ratio(s['peer']['wall_s'], x['wall_s']):.2f}x",
-                     _layout_cell(x.get("layout"))])
+        fl, gen = x.get("floor"), x.get("generation_s")
+        vs = "" if k == "peer" or "wall_s" not in s["peer"] else f"{ratio(s['peer']['wall_s'], x['wall_s']):.2f}x"
+        rows.append([name, _with_runs(x, "wall_s"), _with_runs(x, "generation_s"),
+                     "" if computed is None else f"{computed} ({computed / ideal:.2f}x ideal)", vs,
+                     "" if not fl else f"{fl['floor_s']:.1f} ({fl['matmul_s']:.1f} + {fl['kv_s']:.1f})",
+                     "" if not fl or gen is None else f"{gen / fl['floor_s']:.2f}x", _layout_cell(x.get("layout"))])
     lim = result["limits"]
     mm = ", ".join(f"{d} {v['flops'] / 1e9:.1f} GFLOP/s" for d, v in lim["matmul"].items())
-    return "\n".join([table(["side", "wall s", "generation s", "prefill tokens computed", "vs Ray Data LLM", "layout"],
-                            rows),
-                      f"machine: matmul peak {mm}; copy {lim['copy']['copy_GBps']:.1f} GB/s; "
-                      f"{result['machine'].get('cpu_count')} CPUs ({result['machine'].get('cpu', '')})", "",
+    reps = result.get("repeats", 1)
+    return "\n".join([table(["side", "wall s", "generation s", "prefill tokens computed", "vs Ray Data LLM",
+                             "floor s (matmuls + KV)", "generation / floor", "layout"], rows),
+                      (f"medians of {reps} interleaved runs (each run in brackets); " if reps > 1 else "")
+                      + f"machine: matmul peak {mm}; copy {lim['copy']['copy_GBps']:.1f} GB/s (best of before and "
+                      f"after); {result['machine'].get('cpu_count')} CPUs ({result['machine'].get('cpu', '')})",
+                      "floor: the least generation phase for the side's work: its matmuls (prompt tokens it computed, generated tokens fed back, "
+                      "the LM head per generated token) at the matmul peak + its decode rows' KV reads at the copy "
+                      "bandwidth", "",
                       targets_table(result["targets"], "target")])
+
+
+def _with_runs(side: dict, key: str) -> str:
+    """A side's median figure, each run's beside it when there were several."""
+    v = side.get(key)
+    if v is None:
+        return ""
+    runs = [r.get(key) for r in side.get("runs") or []]
+    each = ", ".join("-" if r is None else f"{r:.1f}" for r in runs)
+    return f"{v:.1f}" + (f" ({each})" if len(runs) > 1 else "")
 
 
 def _layout_cell(layout) -> str:
