@@ -14,7 +14,7 @@ from dlbatch.driver.layout import resolve_layout
 from dlbatch.engine.config import DEFAULT_MAX_NUM_SEQS
 from dlbatch.jobspec import JobSpecError, load_job
 from dlbatch.solver import ModelSpec, Workload, catalog_profiles, choose_layout, simulate
-from dlbatch.solver.layout import MIN_GAIN, SIM_DOCS
+from dlbatch.solver.layout import DEFAULT_MAX_BATCH, MIN_GAIN, SIM_DOCS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 M = ModelSpec.llama3_8b()
@@ -120,6 +120,10 @@ def test_several_chip_types_are_weighed_on_the_measured_workload(paper_workload,
 
 
 # ------------------------------------------------------------------------- the choice, from profiles
+def test_the_solver_plans_with_the_engines_default_batch():
+    assert DEFAULT_MAX_BATCH == DEFAULT_MAX_NUM_SEQS  # the solver imports no engine: the two constants kept equal
+
+
 def _simulated(choice, mode):
     cand = next(c for c in choice.candidates if c.mode == mode)
     sim = simulate(cand.plan, CHIPS, M, WL, n_docs=min(WL.n_docs, SIM_DOCS), max_batch=DEFAULT_MAX_NUM_SEQS,

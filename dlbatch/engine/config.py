@@ -203,9 +203,9 @@ def parse_kv_memory(value: int | float | str | None) -> int | float | None:
 
 DEFAULT_MAX_MODEL_LEN = 8192  # the longest context an engine takes when none is asked for
 # sequences an engine runs at once: a decode step's batch. A step reads every weight once
-# whatever its rows, so more rows amortise that read; 128 against 64 took the datagen
-# workload's generation from 44.3 to 39.0 s on AMD Zen 4 (docs/benchmarks.md). vLLM-CPU's own
-# default is 256; the solver plans with this figure (`solver.layout`, `dlbatch plan --max-batch`).
+# whatever its rows, so more rows amortise that read (docs/benchmarks.md, "Measurements behind
+# design choices"); vLLM-CPU's own default is 256. The solver plans with the job's figure
+# (`driver/layout.py` max_num_seqs; `solver/layout.py` DEFAULT_MAX_BATCH equals this one).
 DEFAULT_MAX_NUM_SEQS = 128
 
 

@@ -30,11 +30,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from dlbatch.engine.config import DEFAULT_MAX_NUM_SEQS
 from dlbatch.solver.capacity import ROLES, role_rates
 from dlbatch.solver.milp import Plan, SolverError, solve
 from dlbatch.solver.profile import ChipProfile, ModelSpec
 from dlbatch.solver.workload import Workload
+
+# sequences per worker when the caller names none: the engine's default max_num_seqs
+# (dlbatch.engine.config.DEFAULT_MAX_NUM_SEQS; the solver imports no engine, a test keeps the two equal)
+DEFAULT_MAX_BATCH = 128
 
 MIN_GAIN = 0.02  # PD must beat colocated by more than this to be chosen
 SIM_DOCS = 2000  # documents simulated per candidate (the job's, when fewer)
@@ -115,7 +118,7 @@ def colocated_everywhere(chip: str, count: int) -> LayoutChoice:
 
 def choose_layout(chips: dict[str, ChipProfile], available: dict[str, int], model: ModelSpec, workload: Workload,
                   objective: str = "cost", ttft_target_s: float | None = None, roles: Iterable[str] = ROLES,
-                  max_batch: int = DEFAULT_MAX_NUM_SEQS, chunk_tokens: int = 4096) -> LayoutChoice:
+                  max_batch: int = DEFAULT_MAX_BATCH, chunk_tokens: int = 4096) -> LayoutChoice:
     """The layout for ``workload`` on ``available`` chips (name -> count, each with a profile
     in ``chips``); ``roles``: the worker roles the backend fills. See the module docstring."""
     if objective not in OBJECTIVES:
@@ -154,7 +157,7 @@ def _candidate(mode: str, chips, available, model, workload, objective, max_batc
                      ttft_s=ttft_s(plan, chips, model, workload, max_batch, chunk_tokens))
 
 
-def ttft_s(plan: Plan, chips: dict[str, ChipProfile], model: ModelSpec, workload: Workload, max_batch: int = DEFAULT_MAX_NUM_SEQS,
+def ttft_s(plan: Plan, chips: dict[str, ChipProfile], model: ModelSpec, workload: Workload, max_batch: int = DEFAULT_MAX_BATCH,
            chunk_tokens: int = 4096) -> float:
     """Seconds from a document's prefill start to its first token on ``plan``'s slowest
     prefilling pool (the module docstring's estimate)."""
