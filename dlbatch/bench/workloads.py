@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import tempfile
 
 from dlbatch.bench.common import finish_bench, machine_info, ratio, table, targets_table, write_jsonl
@@ -201,11 +202,10 @@ def model_counts(model: str, dtype: str) -> dict:
     fs, root = model_dir(model)
     with fs.open(root.rstrip("/") + "/config.json", "r") as f:
         cfg = ModelConfig.from_hf(json.load(f))
-    h, layers = cfg.hidden_size, cfg.num_layers
-    linear = layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size)
     computed = compute_dtype(dtype, "cpu")
-    return {"linear_params": linear, "lm_head_params": cfg.vocab_size * h, "compute_dtype": computed,
-            "kv_bytes_per_token": 2 * layers * cfg.kv_size * (4 if computed == "float32" else 2)}
+    return {"linear_params": cfg.linear_params(), "lm_head_params": cfg.vocab_size * cfg.hidden_size,
+            "compute_dtype": computed,
+            "kv_bytes_per_token": 2 * cfg.num_layers * cfg.kv_size * (4 if computed == "float32" else 2)}
 
 
 def generation_floor(counts: dict, side: dict, rows: int, limits: dict) -> dict | None:
@@ -234,13 +234,10 @@ def median_side(runs: list[dict]) -> dict:
     if not ok:
         return runs[0]
     ok.sort(key=lambda r: r["wall_s"])
-    side = dict(ok[(len(ok) - 1) // 2])
-    gens = sorted(r["generation_s"] for r in ok if r.get("generation_s") is not None)
+    side = dict(ok[(len(ok) - 1) // 2], wall_s=statistics.median(r["wall_s"] for r in ok))
+    gens = [r["generation_s"] for r in ok if r.get("generation_s") is not None]
     if gens:
-        side["generation_s"] = gens[(len(gens) - 1) // 2] if len(gens) % 2 else (gens[len(gens) // 2 - 1]
-                                                                                 + gens[len(gens) // 2]) / 2
-    if len(ok) % 2 == 0:
-        side["wall_s"] = (ok[len(ok) // 2 - 1]["wall_s"] + ok[len(ok) // 2]["wall_s"]) / 2
+        side["generation_s"] = statistics.median(gens)
     if len(runs) > 1:
         side["runs"] = [{k: r.get(k) for k in ("wall_s", "generation_s", "error")} for r in runs]
     return side

@@ -67,11 +67,16 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def linear_params(self) -> int:
+        """Weights of the layers' linears (QKV, output, gate/up, down): what a token multiplies
+        through, the LM head apart."""
+        h, q, kv = self.hidden_size, self.q_size, self.kv_size
+        return self.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size)
+
     def num_params(self) -> int:
-        h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        h, v = self.hidden_size, self.vocab_size
         emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return per_layer * L + emb + h
+        return self.linear_params() + 2 * h * self.num_layers + emb + h
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":

@@ -74,6 +74,7 @@ def bind_fused(L):
     L.dl_silu_and_mul.argtypes = [_P, L64, _P, L64, L64, L64, _I, _I]
     L.dl_fused_bf16_width.restype = _I  # 16: bf16 rows on AVX-512 vectors (silu_and_mul takes them), else 0
     L.dl_fused_bf16_width.argtypes = []
+    L.bf16_width = L.dl_fused_bf16_width()  # asked once, not per call
     L.dl_rotary_store.restype = None
     L.dl_rotary_store.argtypes = [_P, L64, L64, _P, L64, L64, _P, L64, L64, _P, _P, _P, _P, _P, _I, L64, _I, _I,
                                   L64, _I, _I]
@@ -238,7 +239,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     if L is None or x.shape[-1] % 2:
         return None
     # bf16 only on the 16-float path: the 8-wide one is slower than torch's (docs/benchmarks.md)
-    x2 = _rows(x) if x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and L.dl_fused_bf16_width()) else None
+    x2 = _rows(x) if x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and L.bf16_width) else None
     if x2 is None:
         return None
     rows, n = x2.shape[0], x.shape[-1] // 2
