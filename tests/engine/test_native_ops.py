@@ -144,17 +144,61 @@ def test_native_declines_what_it_does_not_take():
     assert native.paged_decode(q.double(), kc, vc, meta.decode_block_tables, meta.decode_lens) is None
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_queries_are_computed_in_float32(dtype):
-    """A model computing in bf16 (a CPU with AMX) or fp16: its queries are widened, the
-    kernel runs in float32 over the cache, and the output is rounded once to the dtype."""
+def test_float16_queries_are_computed_in_float32():
+    """A model computing in fp16: its queries are widened, the kernel runs in float32 over
+    the cache, and the output is rounded once to fp16."""
     q, kc, vc, meta = _case(9, 3, 64, [3, 200, 513], 16)
-    qh, kh, vh = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    qh, kh, vh = q.half(), kc.half(), vc.half()
     got = native.paged_decode(qh, kh, vh, meta.decode_block_tables, meta.decode_lens)
-    assert got is not None and got.dtype == dtype
+    assert got is not None and got.dtype == torch.float16
     want = native.paged_decode(qh.float(), kh, vh, meta.decode_block_tables, meta.decode_lens)
-    assert torch.equal(got, want.to(dtype))
+    assert torch.equal(got, want.half())
     torch.testing.assert_close(got.float(), reference(qh.float(), kh.float(), vh.float(), meta), rtol=1e-2, atol=1e-2)
+
+
+BF16_AS_IS = native.lib().dl_paged_decode_bf16(64) if native.lib() is not None else 0
+
+
+@pytest.mark.parametrize("hq,hk,d,lens,block,window", [
+    (9, 3, 64, [3, 200, 513], 16, None), (14, 2, 32, [1, 5, 129, 64], 16, None),  # 7 heads a KV head: 3 + 3 + 1
+    (8, 2, 128, [33, 2, 70], 32, None), (8, 4, 64, [100, 7, 250], 16, 40), (4, 2, 64, [2, 3], 16, None)])
+def test_bf16_queries_over_a_bf16_cache(hq, hk, d, lens, block, window):
+    """A model computing in bf16 (a CPU with AVX512_BF16: the queries are taken as they are,
+    the scores come from vdpbf16ps, whose bf16 x bf16 products are exact in float32; else
+    widened): the output, rounded once to bf16, is the widened queries' result within a
+    bf16 rounding, for head sizes of one, two and four 32-element vectors, grouped heads
+    with remainders, sliding windows and context lengths that are not multiples of 4."""
+    q, kc, vc, meta = _case(hq, hk, d, lens, block, window=window)
+    qh, kh, vh = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    got = native.paged_decode(qh, kh, vh, meta.decode_block_tables, meta.decode_lens, window)
+    assert got is not None and got.dtype == torch.bfloat16
+    want = native.paged_decode(qh.float(), kh, vh, meta.decode_block_tables, meta.decode_lens, window)
+    if not BF16_AS_IS:
+        assert torch.equal(got, want.bfloat16())
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(got.float(), reference(qh.float(), kh.float(), vh.float(), meta), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not BF16_AS_IS, reason="bf16 queries are taken as they are only with AVX512_BF16")
+def test_bf16_queries_shared_prefixes_bitwise_as_alone():
+    g = torch.Generator().manual_seed(5)
+    block, hq, hk, d = 16, 9, 3, 64
+    kc = torch.randn(200, block, hk, d, generator=g).bfloat16()
+    vc = torch.randn(200, block, hk, d, generator=g).bfloat16()
+    perm = iter(torch.randperm(200, generator=g).tolist())
+    tables, lens = [], []
+    for prefix_blocks, tasks in ((12, 3), (4, 10)):
+        prefix = [next(perm) for _ in range(prefix_blocks)]
+        for t in range(tasks):
+            tables.append(prefix + [next(perm) for _ in range(2)])
+            lens.append(prefix_blocks * block + 3 + 5 * t)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int64)
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    q = torch.randn(len(lens), hq, d, generator=g).bfloat16()
+    got = native.paged_decode(q, kc, vc, bt, lens_t)
+    alone = torch.cat([native.paged_decode(q[i:i + 1], kc, vc, bt[i:i + 1], lens_t[i:i + 1]) for i in range(len(lens))])
+    assert torch.equal(got, alone)
 
 
 def test_engine_uses_native_kernel_and_stays_exact(tmp_path):

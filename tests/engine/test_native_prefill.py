@@ -98,10 +98,47 @@ def test_declines_what_it_does_not_take():
     assert native.prefill_attention(q.bfloat16(), kc, vc, tables, cu, ctx) is None  # bf16 compute keeps SDPA
 
 
-def test_bf16_queries_are_widened_on_a_bf16_cpu_without_amx(monkeypatch):
-    """A model computing in bf16 on a CPU with AVX512_BF16 and no AMX: the CPU op widens the
-    queries into the kernel and rounds its output back (as the decode kernel does); with
-    AMX the queries stay bf16 and take SDPA."""
+bf16_queries = pytest.mark.skipif(not native.prefill_bf16_queries(),
+                                  reason="bf16 queries need a kernel built with AVX512_BF16")
+
+
+@bf16_queries
+@pytest.mark.parametrize("hq,hk,d,bs", [(9, 3, 64, 16), (4, 4, 32, 32), (8, 1, 16, 16), (16, 2, 128, 16)])
+@pytest.mark.parametrize("window", [None, 24, 100])
+def test_bf16_queries_over_a_bf16_cache_give_the_widened_queries_result(hq, hk, d, bs, window):
+    """bf16 queries taken as they are (scores from vdpbf16ps on the bf16 operands, whose
+    products are exact in float32) against the same queries widened to float32: the same
+    attention up to float32 rounding, for every head size the kernel takes (16 is the
+    half-width transpose), grouped heads and sliding windows."""
+    q, k, v, kc, vc, meta, (tables, cu, ctx) = _case(CHUNKS, hq, hk, d, bs, qkv_view=True)
+    q = q.bfloat16()  # a view of the QKV projection's rows, as the model passes it
+    kch, vch = kc.bfloat16(), vc.bfloat16()
+    got = native.prefill_attention(q, kch, vch, tables, cu, ctx, window)
+    assert got is not None and got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got, native.prefill_attention(q.float(), kch, vch, tables, cu, ctx, window),
+                               rtol=1e-5, atol=1e-5)
+
+
+@bf16_queries
+def test_bf16_queries_result_does_not_depend_on_the_chunking():
+    q, k, v, kc, vc, meta, (tables, cu, ctx) = _case([(0, 700)], 9, 3, 64)
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    whole = native.prefill_attention(q, kc, vc, tables, cu, ctx)
+    for cuts in ([0, 1, 700], [0, 100, 333, 650, 700]):
+        cu2 = torch.tensor(cuts, dtype=torch.int64)
+        parts = native.prefill_attention(q, kc, vc, tables.expand(len(cuts) - 1, -1), cu2, cu2[:-1])
+        assert torch.equal(parts, whole), cuts
+
+
+def test_bf16_queries_over_another_cache_dtype_are_declined():
+    q, k, v, kc, vc, meta, (tables, cu, ctx) = _case([(0, 20)], 4, 2, 32)
+    assert native.prefill_attention(q.bfloat16(), kc.half(), vc.half(), tables, cu, ctx) is None
+
+
+def test_bf16_queries_on_a_bf16_cpu_without_amx(monkeypatch):
+    """A model computing in bf16 on a CPU with AVX512_BF16 and no AMX: the CPU op gives the
+    kernel its bf16 queries (as they are over a bf16 cache where the kernel takes them,
+    else widened) and rounds its output back; with AMX the queries stay bf16 and take SDPA."""
     from dlbatch.engine.ops import cpu
 
     q, k, v, kc, vc, meta, (tables, cu, ctx) = _case(CHUNKS, 9, 3, 64, qkv_view=True)
@@ -110,7 +147,8 @@ def test_bf16_queries_are_widened_on_a_bf16_cpu_without_amx(monkeypatch):
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     got = cpu.prefill_attention(qh, kh, vh, kch, vch, meta)
     assert got.dtype == torch.bfloat16
-    assert torch.equal(got, native.prefill_attention(qh.float(), kch, vch, tables, cu, ctx).bfloat16())
+    direct = qh if native.prefill_bf16_queries() else qh.float()
+    assert torch.equal(got, native.prefill_attention(direct, kch, vch, tables, cu, ctx).bfloat16())
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
     sdpa = cpu.prefill_attention(qh, kh, vh, kch, vch, meta)
     exact = reference.prefill_attention(*(t.float() for t in (qh, kh, vh, kch, vch)), meta)

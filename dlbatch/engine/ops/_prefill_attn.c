@@ -24,6 +24,13 @@
  * set to 0, a rescale by exp(0) = 1 is exact), so a row's result does not depend on how its
  * sequence was cut into chunks nor on which rows shared its work item.
  *
+ * bf16 queries over a bf16 cache (a model computing in bf16), where the CPU has
+ * AVX512_BF16: the scores come from `vdpbf16ps` on the operands as they are (bf16 x bf16
+ * products are exact in float32; pairs of them summed into float32 accumulators), twice
+ * the multiply-adds of a float32 FMA per instruction. The queries are then stored as pairs
+ * (Qp[d / 2][r] = q[r][d], q[r][d + 1]) and unscaled (the scale multiplies the scores), the
+ * keys are copied as they are; probabilities and values stay float32.
+ *
  * Built where the compiler targets AVX-512 and has OpenMP: 16-float vectors (the measured
  * case, docs/benchmarks.md); elsewhere dl_prefill_attn_width() is 0 and the engine keeps
  * torch's SDPA. Head sizes: multiples of 16 up to 256.
@@ -40,12 +47,12 @@
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
 typedef struct {
-    const float *q;
-    int64_t q_tok, q_head; /* float strides of q between tokens and between heads */
+    const void *q;         /* float32, or bfloat16 (qbf16) */
+    int64_t q_tok, q_head; /* element strides of q between tokens and between heads */
     const void *kc, *vc;
     float *out; /* (T, Hq, D) contiguous */
     const int64_t *tables, *cu_q, *ctx;
-    int nb_stride, block_size, window, Hq, Hkv, D, kind;
+    int nb_stride, block_size, window, Hq, Hkv, D, kind, qbf16;
     float scale;
 } pjob_t;
 
@@ -108,13 +115,14 @@ static inline vf vexp(vf x) {
 
 /* Scratch of one thread for items of up to R rows (padded to whole vector pairs). */
 typedef struct {
-    float *qt;      /* D x Rp: scaled queries, transposed */
+    float *qt;      /* D x Rp: scaled queries, transposed (bf16 queries: D / 2 x Rp pairs, unscaled) */
     float *s;       /* BK x Rp: scores, then probabilities */
     float *o;       /* R x D: output accumulators */
     float *m, *l;   /* Rp: running maximum and sum per row */
     float *bmax;    /* Rp: this block's maximum score per row (-inf: nothing visible) */
     float *corr;    /* Rp: this block's rescale per row */
-    float *kb, *vb; /* BK x D: a half-precision cache's K and V rows of the block, widened */
+    float *kb, *vb; /* BK x D: a half-precision cache's K and V rows of the block, widened
+                     * (bf16 queries: kb holds the K rows as they are, BK x D bf16) */
     const float *krow[BK], *vrow[BK]; /* each key's float32 row of this KV head */
     size_t kstride; /* floats between consecutive keys of a score tile (UK keys of one cache block) */
     int32_t *pos;   /* Rp: each row's position */
@@ -159,6 +167,81 @@ static inline __attribute__((always_inline)) void qk_tile(scratch_t *S, int Rp, 
     }
 }
 
+#if defined(__AVX512BF16__)
+#define HAVE_BF16 1
+/* qk_tile for bf16 queries and keys: S->qt holds query pairs, S->kb the keys as they are */
+static inline __attribute__((always_inline)) void qk_tile_bf16(scratch_t *S, int Rp, int D, int r0, int j0, int64_t kb,
+                                                               int window, int masked, vf *bm, float scale) {
+    __m512 a[UK][2];
+    for (int u = 0; u < UK; u++) a[u][0] = a[u][1] = _mm512_setzero_ps();
+    const uint32_t *qp = (const uint32_t *)S->qt + r0;
+    const uint16_t *k = (const uint16_t *)S->kb + (size_t)j0 * D;
+    for (int dp = 0; dp < D / 2; dp++) {
+        const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(qp + (size_t)dp * Rp));
+        const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(qp + (size_t)dp * Rp + W));
+        for (int u = 0; u < UK; u++) {
+            int32_t pair;
+            memcpy(&pair, k + (size_t)u * D + 2 * dp, sizeof pair);
+            const __m512bh kv = (__m512bh)_mm512_set1_epi32(pair);
+            a[u][0] = _mm512_dpbf16_ps(a[u][0], x0, kv);
+            a[u][1] = _mm512_dpbf16_ps(a[u][1], x1, kv);
+        }
+    }
+    vi pos[2];
+    memcpy(pos, S->pos + r0, sizeof pos);
+    for (int u = 0; u < UK; u++) {
+        for (int v = 0; v < 2; v++) {
+            vf x = (vf)a[u][v] * scale;
+            if (masked) x = mask_keys(x, pos[v], (int32_t)(kb + j0 + u), window);
+            const vi gt = x > bm[v];
+            bm[v] = (vf)(((vi)x & gt) | ((vi)bm[v] & ~gt));
+            st(S->s + (size_t)(j0 + u) * Rp + r0 + W * v, x);
+        }
+    }
+}
+
+/* r[c] = column c of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15] */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) { /* u[g + j], 128-bit lane k: rows g..g+3 of column 4k + j */
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), w = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        const __m512i w2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+        r[j] = _mm512_shuffle_i32x4(v, v2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(w, w2, 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(v, v2, 0xDD);
+        r[12 + j] = _mm512_shuffle_i32x4(w, w2, 0xDD);
+    }
+}
+
+/* the item's bf16 queries as pairs, transposed: Qp[d / 2][r] (rows q0 + idx[r]), 16 rows x
+ * 16 pairs at a time (D / 2 is a multiple of 8) */
+static void pairs_transposed(const uint16_t *q0, const int32_t *idx, int Rp, int D, uint32_t *qp) {
+    for (int r0 = 0; r0 < Rp; r0 += 16) {
+        for (int c0 = 0; c0 < D / 2; c0 += 16) {
+            const int nc = D / 2 - c0 < 16 ? D / 2 - c0 : 16;
+            const __mmask16 m = nc == 16 ? 0xFFFF : 0x00FF;
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_maskz_loadu_epi32(m, q0 + idx[r0 + i] + 2 * c0);
+            transpose16(r);
+            for (int c = 0; c < nc; c++) _mm512_storeu_si512((void *)(qp + (size_t)(c0 + c) * Rp + r0), r[c]);
+        }
+    }
+}
+#else
+#define HAVE_BF16 0
+#endif
+
 #define MRV 6 /* rows per output tile: 6 x 4 accumulators, 4 V vectors and a broadcast in 32 registers */
 
 /* O[r0 .. r0 + U) columns [c0, c0 + C W) += sum_j P[j][r] V[j][c] over the block's nk keys */
@@ -180,12 +263,19 @@ static inline __attribute__((always_inline)) void pv_tile(scratch_t *S, int Rp, 
         for (int c = 0; c < C; c++) st(S->o + (size_t)(r0 + u) * D + c0 + W * c, a[u][c]);
 }
 
-/* the block's scores (nk a multiple of UK) and each row's block maximum */
+/* the block's scores (nk a multiple of UK) and each row's block maximum (bf16 > 0: from
+ * bf16 query pairs and keys, multiplied by `scale`) */
 static inline __attribute__((always_inline)) void scores(scratch_t *S, int Rp, const int D, int nk, int64_t kb,
-                                                         int window, int masked) {
+                                                         int window, int masked, const int bf16, float scale) {
+    (void)scale;
     for (int r0 = 0; r0 < Rp; r0 += 2 * W) {
         vf bm[2] = {(vf){0} - INFINITY, (vf){0} - INFINITY};
-        for (int j = 0; j < nk; j += UK) qk_tile(S, Rp, D, r0, j, kb, window, masked, bm);
+#if HAVE_BF16
+        if (bf16)
+            for (int j = 0; j < nk; j += UK) qk_tile_bf16(S, Rp, D, r0, j, kb, window, masked, bm, scale);
+        else
+#endif
+            for (int j = 0; j < nk; j += UK) qk_tile(S, Rp, D, r0, j, kb, window, masked, bm);
         st(S->bmax + r0, bm[0]);
         st(S->bmax + r0 + W, bm[1]);
     }
@@ -234,8 +324,9 @@ static void softmax_block(scratch_t *S, int Rp, int nk) {
 /* one block of keys [kb, kb + nk) (padded to nkp) for the item's rows: scores, softmax,
  * the rescale of the rows' output, the weighted values */
 static inline __attribute__((always_inline)) void block_body(scratch_t *S, int R, int Rp, const int D, int nk, int nkp,
-                                                             int64_t kb, int window, int masked) {
-    scores(S, Rp, D, nkp, kb, window, masked);
+                                                             int64_t kb, int window, int masked, const int bf16,
+                                                             float scale) {
+    scores(S, Rp, D, nkp, kb, window, masked, bf16, scale);
     softmax_block(S, Rp, nkp);
     for (int r = 0; r < R; r++) {
         const float c = S->corr[r];
@@ -245,18 +336,24 @@ static inline __attribute__((always_inline)) void block_body(scratch_t *S, int R
     values(S, R, Rp, D, nk);
 }
 
-/* the block for the common head sizes compiled with the size a constant (unrolled tiles) */
-static void block_d64(scratch_t *S, int R, int Rp, int D, int nk, int nkp, int64_t kb, int window, int masked) {
-    (void)D;
-    block_body(S, R, Rp, 64, nk, nkp, kb, window, masked);
-}
-static void block_d128(scratch_t *S, int R, int Rp, int D, int nk, int nkp, int64_t kb, int window, int masked) {
-    (void)D;
-    block_body(S, R, Rp, 128, nk, nkp, kb, window, masked);
-}
-static void block_any(scratch_t *S, int R, int Rp, int D, int nk, int nkp, int64_t kb, int window, int masked) {
-    block_body(S, R, Rp, D, nk, nkp, kb, window, masked);
-}
+/* the block for the common head sizes compiled with the size a constant (unrolled tiles),
+ * for float32 queries and for bf16 ones */
+typedef void (*block_fn)(scratch_t *, int, int, int, int, int, int64_t, int, int, float);
+#define BLOCK(name, DD, BF)                                                                                       \
+    static void name(scratch_t *S, int R, int Rp, int D, int nk, int nkp, int64_t kb, int window, int masked,      \
+                     float scale) {                                                                               \
+        (void)D;                                                                                                  \
+        block_body(S, R, Rp, DD, nk, nkp, kb, window, masked, BF, scale);                                         \
+    }
+BLOCK(block_d64, 64, 0)
+BLOCK(block_d128, 128, 0)
+BLOCK(block_any, D, 0)
+#if HAVE_BF16
+BLOCK(block_d64_bf16, 64, 1)
+BLOCK(block_d128_bf16, 128, 1)
+BLOCK(block_any_bf16, D, 1)
+#endif
+#undef BLOCK
 
 /* one work item (see the file's comment) with the thread's scratch S */
 static void item(const pjob_t *J, scratch_t *S, const item_t *it) {
@@ -272,18 +369,26 @@ static void item(const pjob_t *J, scratch_t *S, const item_t *it) {
         S->m[r] = -INFINITY;
         S->l[r] = 0.f;
     }
-    const float *q0 = J->q + t0 * J->q_tok;
-    for (int r0 = 0; r0 < Rp; r0 += W) { /* transposed: one gather per (d, vector of rows) */
-        const __m512i idx = _mm512_loadu_si512((const void *)(S->idx + r0));
-        for (int d = 0; d < D; d++)
-            st(S->qt + (size_t)d * Rp + r0, (vf)_mm512_i32gather_ps(idx, q0 + d, 4) * J->scale);
+    if (J->qbf16) {
+#if HAVE_BF16
+        pairs_transposed((const uint16_t *)J->q + t0 * J->q_tok, S->idx, Rp, D, (uint32_t *)S->qt);
+#endif
+    } else {
+        const float *q0 = (const float *)J->q + t0 * J->q_tok;
+        for (int r0 = 0; r0 < Rp; r0 += W) { /* transposed: one gather per (d, vector of rows) */
+            const __m512i idx = _mm512_loadu_si512((const void *)(S->idx + r0));
+            for (int d = 0; d < D; d++)
+                st(S->qt + (size_t)d * Rp + r0, (vf)_mm512_i32gather_ps(idx, q0 + d, 4) * J->scale);
+        }
     }
     memset(S->o, 0, sizeof(float) * (size_t)R * D);
     const int64_t lo = J->window > 0 && first - J->window + 1 > 0 ? first - J->window + 1 : 0, hi = last + 1;
     const int64_t *tab = J->tables + (size_t)it->p * J->nb_stride;
     const size_t row = (size_t)J->Hkv * D, h0 = (size_t)it->h * D;
-    void (*block)(scratch_t *, int, int, int, int, int, int64_t, int, int) =
-        D == 64 ? block_d64 : D == 128 ? block_d128 : block_any;
+    block_fn block = D == 64 ? block_d64 : D == 128 ? block_d128 : block_any;
+#if HAVE_BF16
+    if (J->qbf16) block = D == 64 ? block_d64_bf16 : D == 128 ? block_d128_bf16 : block_any_bf16;
+#endif
     const int direct = J->kind == KV_F32 && J->block_size >= UK;
     S->kstride = direct ? row : (size_t)D;
     if (!direct)
@@ -304,14 +409,20 @@ static void item(const pjob_t *J, scratch_t *S, const item_t *it) {
             for (int j = 0; j < nk; j++) {
                 const int64_t t = kb + j;
                 const size_t off = (size_t)((tab[t >> sh] << sh) + (t & (J->block_size - 1))) * row + h0;
-                widen_row(J->kc, J->kind, off, D, S->kb + (size_t)j * D);
+                if (J->qbf16)
+                    memcpy((uint16_t *)S->kb + (size_t)j * D, (const uint16_t *)J->kc + off, sizeof(uint16_t) * D);
+                else
+                    widen_row(J->kc, J->kind, off, D, S->kb + (size_t)j * D);
                 widen_row(J->vc, J->kind, off, D, S->vb + (size_t)j * D);
             }
             /* keys past the block's end up to a whole tile: zeros, masked (past every row) */
-            memset(S->kb + (size_t)nk * D, 0, sizeof(float) * (size_t)(nkp - nk) * D);
+            if (J->qbf16)
+                memset((uint16_t *)S->kb + (size_t)nk * D, 0, sizeof(uint16_t) * (size_t)(nkp - nk) * D);
+            else
+                memset(S->kb + (size_t)nk * D, 0, sizeof(float) * (size_t)(nkp - nk) * D);
         }
         const int masked = kb + nkp - 1 > first || (J->window > 0 && kb <= last - J->window);
-        block(S, R, Rp, D, nk, nkp, kb, J->window, masked);
+        block(S, R, Rp, D, nk, nkp, kb, J->window, masked, J->scale);
     }
     for (int r = 0; r < R; r++) {
         const int i = r / g, gi = r % g;
@@ -358,17 +469,23 @@ static int run_items(const pjob_t *J, const item_t *items, int n, int nthreads) 
 /* floats per vector used for head size D (0: D not taken) */
 int dl_prefill_attn_width(int D) { return D % W == 0 && D <= 256 ? W : 0; }
 
-/* q: float32 rows of the step's prefill tokens, element (t, head, d) at
+/* 1 where bf16 queries over a bf16 cache are taken (q_kind 2: built with AVX512_BF16) */
+int dl_prefill_attn_bf16(void) { return HAVE_BF16; }
+
+/* q: rows of the step's prefill tokens, float32 (q_kind 0) or bfloat16 (q_kind 2, over a
+ * bfloat16 cache, where dl_prefill_attn_bf16()), element (t, head, d) at
  * q[t * q_tok + head * q_head + d]; out (T, Hq, D) float32; kc, vc: (slots, Hkv, D) of
  * kv_kind; tables (P, nb_stride) int64 block ids of each chunk's sequence; cu_q (P + 1)
  * chunk boundaries in the tokens; ctx (P) cached positions before each chunk; window > 0:
  * a token sees only its last `window` positions. Returns 0, -1 without memory, -2 for
  * shapes it does not take (the caller uses its torch path). */
-int dl_prefill_attn(const float *q, int64_t q_tok, int64_t q_head, const void *kc, const void *vc, float *out,
+int dl_prefill_attn(const void *q, int64_t q_tok, int64_t q_head, const void *kc, const void *vc, float *out,
                     const int64_t *tables, int nb_stride, const int64_t *cu_q, const int64_t *ctx, int P,
-                    int block_size, int window, int Hq, int Hkv, int D, float scale, int kv_kind, int nthreads) {
+                    int block_size, int window, int Hq, int Hkv, int D, float scale, int kv_kind, int nthreads,
+                    int q_kind) {
     if (dl_prefill_attn_width(D) == 0 || Hkv <= 0 || Hq % Hkv != 0 || Hq / Hkv > MAXG || kv_kind < 0 ||
-        kv_kind > 2 || block_size <= 0 || (block_size & (block_size - 1)))
+        kv_kind > 2 || block_size <= 0 || (block_size & (block_size - 1)) ||
+        !(q_kind == KV_F32 || (q_kind == KV_BF16 && kv_kind == KV_BF16 && HAVE_BF16)))
         return -2;
     int n_items = 0;
     for (int p = 0; p < P; p++) n_items += (int)((cu_q[p + 1] - cu_q[p] + BQ - 1) / BQ) * Hkv;
@@ -386,7 +503,7 @@ int dl_prefill_attn(const float *q, int64_t q_tok, int64_t q_head, const void *k
     }
     qsort(items, (size_t)n_items, sizeof(item_t), by_work);
     const pjob_t J = {q, q_tok, q_head, kc, vc, out, tables, cu_q, ctx, nb_stride, block_size, window, Hq, Hkv, D,
-                      kv_kind, scale};
+                      kv_kind, q_kind == KV_BF16, scale};
     if (nthreads < 1) nthreads = 1;
     if (nthreads > n_items) nthreads = n_items;
     const int rc = run_items(&J, items, n_items, nthreads);
@@ -401,12 +518,15 @@ int dl_prefill_attn_width(int D) {
     return 0;
 }
 
-int dl_prefill_attn(const float *q, int64_t q_tok, int64_t q_head, const void *kc, const void *vc, float *out,
+int dl_prefill_attn_bf16(void) { return 0; }
+
+int dl_prefill_attn(const void *q, int64_t q_tok, int64_t q_head, const void *kc, const void *vc, float *out,
                     const int64_t *tables, int nb_stride, const int64_t *cu_q, const int64_t *ctx, int P,
-                    int block_size, int window, int Hq, int Hkv, int D, float scale, int kv_kind, int nthreads) {
+                    int block_size, int window, int Hq, int Hkv, int D, float scale, int kv_kind, int nthreads,
+                    int q_kind) {
     (void)q, (void)q_tok, (void)q_head, (void)kc, (void)vc, (void)out, (void)tables, (void)nb_stride, (void)cu_q;
     (void)ctx, (void)P, (void)block_size, (void)window, (void)Hq, (void)Hkv, (void)D, (void)scale, (void)kv_kind;
-    (void)nthreads;
+    (void)nthreads, (void)q_kind;
     return -2;
 }
 #endif

@@ -38,8 +38,9 @@ prefill_attention: float32 queries on a CPU with AVX-512 go to the C kernel
 sequence's keys read from the paged cache, flash style, with the grouped query heads of a
 KV head sharing each key row; a chunk over a cached prefix costs only its own rows' work,
 and a row's result does not depend on how its sequence was chunked. bf16 queries go there too
-on a CPU with AVX512_BF16 but no AMX, widened to float32 and the output rounded back, as the
-decode kernel does (faster than bf16 SDPA there: docs/benchmarks.md). Elsewhere (bf16 on AMX,
+on a CPU with AVX512_BF16 but no AMX (faster than bf16 SDPA there: docs/benchmarks.md): over
+a bf16 cache as they are (scores by `vdpbf16ps`, exact products), over a cache of another
+dtype widened to float32; the output is rounded back to bf16. Elsewhere (bf16 on AMX,
 AVX2, head sizes it does not take) torch's SDPA: a chunk whose context starts in the cache
 (chunked prefill, prefix hit) needs a causal mask offset by the cached length, which SDPA
 only takes as an explicit mask: then it computes every (query, key) pair, twice the work of
@@ -137,8 +138,10 @@ SPLIT_MIN_TOKENS = 256  # chunks shorter than this gain nothing from the split (
 @register_op("prefill_attention", "cpu")
 def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
     if getattr(meta, "use_native", True) and getattr(meta, "prefill_cu_q", None) is not None:
-        # bf16 queries are widened, as the decode kernel widens them: both compute in float32
-        qf = q.float() if q.dtype == torch.bfloat16 and _bf16_without_amx() else q
+        qf = q
+        if q.dtype == torch.bfloat16 and _bf16_without_amx() and not (
+                k_cache.dtype == torch.bfloat16 and native.prefill_bf16_queries()):
+            qf = q.float()  # (a cache of another dtype: the kernel computes in float32)
         out = native.prefill_attention(qf, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q,
                                        meta.prefill_ctx, meta.sliding_window)
         if out is not None:

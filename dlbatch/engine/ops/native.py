@@ -41,9 +41,11 @@ def _load(src: Path):
 def bind_decode(L):
     """Declare dl_paged_decode's C signature on a loaded library; returns it."""
     L.dl_paged_decode.restype = _I
-    L.dl_paged_decode.argtypes = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I, _I]
+    L.dl_paged_decode.argtypes = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I, _I, _I]
     L.dl_paged_decode_width.restype = _I  # floats per vector used for a head size (8, or 16 with AVX-512)
     L.dl_paged_decode_width.argtypes = [_I]
+    L.dl_paged_decode_bf16.restype = _I  # 1: bf16 queries over a bf16 cache taken as they are (AVX512_BF16)
+    L.dl_paged_decode_bf16.argtypes = [_I]
     return L
 
 
@@ -52,9 +54,12 @@ def bind_prefill(L):
     L64 = ctypes.c_int64
     L.dl_prefill_attn.restype = _I
     L.dl_prefill_attn.argtypes = [_P, L64, L64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float,
-                                  _I, _I]
+                                  _I, _I, _I]
     L.dl_prefill_attn_width.restype = _I  # 16 for head sizes it takes (AVX-512 + OpenMP builds), else 0
     L.dl_prefill_attn_width.argtypes = [_I]
+    L.dl_prefill_attn_bf16.restype = _I
+    L.dl_prefill_attn_bf16.argtypes = []
+    L.bf16_queries = bool(L.dl_prefill_attn_bf16())  # bf16 queries over a bf16 cache (AVX512_BF16), asked once
     return L
 
 
@@ -121,16 +126,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  lens: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
     """q (B, Hq, D) float32, float16 or bfloat16; caches (blocks, block_size, Hkv, D)
     contiguous, float32, float16 or bfloat16; block_tables (B, nb) int64; lens (B,) int64
-    context lengths. The kernel computes in float32: half-precision queries are widened
-    and the output rounded back to their dtype (a model computing in bf16 on a CPU with
-    AMX). None when the kernel cannot take these inputs."""
+    context lengths. The kernel computes in float32, but for bf16 queries over a bf16 cache
+    where the CPU has AVX512_BF16 (scores by vdpbf16ps on the operands as they are, whose
+    products are exact); other half-precision queries are widened. The output is rounded
+    back to the queries' dtype. None when the kernel cannot take these inputs."""
     L = lib()
     kind = KV_KINDS.get(k_cache.dtype)
     if L is None or kind is None or q.dtype not in KV_KINDS or q.device.type != "cpu":
         return None
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.dtype != k_cache.dtype:
         return None
-    if q.dtype != torch.float32:
+    as_is = q.dtype == torch.bfloat16 and kind == KV_KINDS[torch.bfloat16] and L.dl_paged_decode_bf16(q.shape[-1])
+    if q.dtype != torch.float32 and not as_is:
         out = paged_decode(q.float(), k_cache, v_cache, block_tables, lens, window)
         return None if out is None else out.to(q.dtype)
     q = q.contiguous()
@@ -139,15 +146,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lens = lens.to(torch.int64).contiguous()
     b, hq, d = q.shape
     bs, hk = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=torch.float32)
     rc = L.dl_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt.data_ptr(),
                            lens.data_ptr(), b, bt.stride(0), bs, int(window or 0), hq, hk, d, float(d) ** -0.5,
-                           kind, torch.get_num_threads())
+                           kind, torch.get_num_threads(), KV_KINDS[q.dtype])
     if rc == -2:
         return None
     if rc != 0:
         raise MemoryError("native paged attention could not allocate its work buffers or threads")
-    return out
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def prefill_available(head_dim: int) -> bool:
@@ -157,17 +164,27 @@ def prefill_available(head_dim: int) -> bool:
     return L is not None and L.dl_prefill_attn_width(head_dim) > 0
 
 
+def prefill_bf16_queries() -> bool:
+    """Whether prefill_attention takes bf16 queries over a bf16 cache as they are (scores by
+    AVX512_BF16 dot products of the bf16 operands, exact products)."""
+    L = PREFILL.get()
+    return L is not None and L.bf16_queries
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       cu_q: torch.Tensor, ctx: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
     """Causal attention of every prefill chunk of a step over its sequence's keys in the
     paged cache (the chunk's own keys stored there first). q (T, Hq, D) float32 with
-    contiguous rows (a view of the QKV projection is fine); caches (blocks, block_size,
-    Hkv, D) contiguous, float32, float16 or bfloat16; block_tables (P, nb) int64; cu_q
-    (P + 1,) chunk boundaries in q; ctx (P,) cached tokens before each chunk. Returns
-    (T, Hq, D) float32, or None when the kernel cannot take these inputs."""
+    contiguous rows (a view of the QKV projection is fine), or bfloat16 over a bfloat16
+    cache where ``prefill_bf16_queries()``; caches (blocks, block_size, Hkv, D) contiguous,
+    float32, float16 or bfloat16; block_tables (P, nb) int64; cu_q (P + 1,) chunk
+    boundaries in q; ctx (P,) cached tokens before each chunk. Returns (T, Hq, D) float32,
+    or None when the kernel cannot take these inputs."""
     L = PREFILL.get()
     kind = KV_KINDS.get(k_cache.dtype)
-    if (L is None or kind is None or q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3
+    q_ok = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+                                        and L is not None and L.bf16_queries)
+    if (L is None or kind is None or not q_ok or q.device.type != "cpu" or q.dim() != 3
             or q.stride(2) != 1 or v_cache.dtype != k_cache.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return None
@@ -182,7 +199,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty((t, hq, d), dtype=torch.float32)
     rc = L.dl_prefill_attn(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                            out.data_ptr(), bt.data_ptr(), bt.stride(0), cu.data_ptr(), cx.data_ptr(), cx.numel(), bs,
-                           int(window or 0), hq, hk, d, float(d) ** -0.5, kind, torch.get_num_threads())
+                           int(window or 0), hq, hk, d, float(d) ** -0.5, kind, torch.get_num_threads(),
+                           KV_KINDS[q.dtype])
     if rc == -2:
         return None
     if rc != 0:
