@@ -139,11 +139,13 @@ SPLIT_MIN_TOKENS = 256  # chunks shorter than this gain nothing from the split (
 def prefill_attention(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
     if getattr(meta, "use_native", True) and getattr(meta, "prefill_cu_q", None) is not None:
         qf = q
-        if q.dtype == torch.bfloat16 and _bf16_without_amx() and not (
-                k_cache.dtype == torch.bfloat16 and native.prefill_bf16_queries()):
-            qf = q.float()  # (a cache of another dtype: the kernel computes in float32)
-        out = native.prefill_attention(qf, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q,
-                                       meta.prefill_ctx, meta.sliding_window)
+        if q.dtype == torch.bfloat16:
+            if not _bf16_without_amx():
+                qf = None  # AMX: SDPA's bf16 matmuls (the kernel is not measured there)
+            elif not (k_cache.dtype == torch.bfloat16 and native.prefill_bf16_queries()):
+                qf = q.float()  # (a cache of another dtype: the kernel computes in float32)
+        out = None if qf is None else native.prefill_attention(
+            qf, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q, meta.prefill_ctx, meta.sliding_window)
         if out is not None:
             return out.to(q.dtype)
     out = torch.empty_like(q)
