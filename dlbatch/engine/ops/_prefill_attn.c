@@ -29,7 +29,10 @@
  * products are exact in float32; pairs of them summed into float32 accumulators), twice
  * the multiply-adds of a float32 FMA per instruction. The queries are then stored as pairs
  * (Qp[d / 2][r] = q[r][d], q[r][d + 1]) and unscaled (the scale multiplies the scores), the
- * keys are copied as they are; probabilities and values stay float32.
+ * keys are copied as they are. The weighted values too: the probabilities rounded to bf16
+ * (as torch's bf16 SDPA rounds them before its second matmul) and the V rows, both as pairs
+ * of consecutive keys, by `vdpbf16ps` into float32 accumulators; the softmax's maximum,
+ * sum and rescaling stay float32.
  *
  * Built where the compiler targets AVX-512 and has OpenMP: 16-float vectors (the measured
  * case, docs/benchmarks.md); elsewhere dl_prefill_attn_width() is 0 and the engine keeps
@@ -122,7 +125,9 @@ typedef struct {
     float *bmax;    /* Rp: this block's maximum score per row (-inf: nothing visible) */
     float *corr;    /* Rp: this block's rescale per row */
     float *kb, *vb; /* BK x D: a half-precision cache's K and V rows of the block, widened
-                     * (bf16 queries: kb holds the K rows as they are, BK x D bf16) */
+                     * (bf16 queries: the K and V rows as they are, BK x D bf16) */
+    uint32_t *pp;   /* BK / 2 x Rp (bf16 queries): probabilities of key pairs, bf16 pairs */
+    uint32_t *vp;   /* BK / 2 x D (bf16 queries): V rows of key pairs, bf16 pairs */
     const float *krow[BK], *vrow[BK]; /* each key's float32 row of this KV head */
     size_t kstride; /* floats between consecutive keys of a score tile (UK keys of one cache block) */
     int32_t *pos;   /* Rp: each row's position */
@@ -263,6 +268,66 @@ static inline __attribute__((always_inline)) void pv_tile(scratch_t *S, int Rp, 
         for (int c = 0; c < C; c++) st(S->o + (size_t)(r0 + u) * D + c0 + W * c, a[u][c]);
 }
 
+#if HAVE_BF16
+/* the block's probabilities and V rows (bf16, in S->vb) as bf16 pairs of consecutive keys:
+ * Pp[j / 2][r] = (P[j][r], P[j + 1][r]) rounded to nearest even, Vp[j / 2][c] = (V[j][c],
+ * V[j + 1][c]); nkp is even, keys past the block's end have P = 0 and V rows of zeros */
+static inline __attribute__((always_inline)) void pv_pairs(scratch_t *S, int Rp, const int D, int nkp) {
+    __m512i ilv; /* 16-bit element 2k <- k, 2k + 1 <- 16 + k: the halves of a vector interleaved */
+    {
+        uint16_t ix[32];
+        for (int k = 0; k < 16; k++) ix[2 * k] = (uint16_t)k, ix[2 * k + 1] = (uint16_t)(16 + k);
+        ilv = _mm512_loadu_si512((const void *)ix);
+    }
+    for (int jp = 0; jp < nkp / 2; jp++) {
+        const float *s0 = S->s + (size_t)(2 * jp) * Rp, *s1 = s0 + Rp;
+        for (int r0 = 0; r0 < Rp; r0 += W) {
+            const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s1 + r0), _mm512_loadu_ps(s0 + r0));
+            _mm512_storeu_si512((void *)(S->pp + (size_t)jp * Rp + r0), _mm512_permutexvar_epi16(ilv, b));
+        }
+        const uint16_t *v0 = (const uint16_t *)S->vb + (size_t)(2 * jp) * D, *v1 = v0 + D;
+        for (int c0 = 0; c0 < D; c0 += W) {
+            const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + c0))),
+                                                  _mm256_loadu_si256((const __m256i *)(v1 + c0)), 1);
+            _mm512_storeu_si512((void *)(S->vp + (size_t)jp * D + c0), _mm512_permutexvar_epi16(ilv, ab));
+        }
+    }
+}
+
+/* pv_tile from the pairs: O[r0 .. r0 + U) columns [c0, c0 + C W) += sum over key pairs */
+static inline __attribute__((always_inline)) void pv_tile_bf16(scratch_t *S, int Rp, int D, int nkp, int r0, int c0,
+                                                               const int U, const int C) {
+    __m512 a[MRV][4];
+    for (int u = 0; u < U; u++)
+        for (int c = 0; c < C; c++) a[u][c] = _mm512_loadu_ps(S->o + (size_t)(r0 + u) * D + c0 + W * c);
+    for (int jp = 0; jp < nkp / 2; jp++) {
+        const uint32_t *v = S->vp + (size_t)jp * D + c0, *p = S->pp + (size_t)jp * Rp + r0;
+        __m512bh x[4];
+        for (int c = 0; c < C; c++) x[c] = (__m512bh)_mm512_loadu_si512((const void *)(v + W * c));
+        for (int u = 0; u < U; u++) {
+            const __m512bh pu = (__m512bh)_mm512_set1_epi32((int)p[u]);
+            for (int c = 0; c < C; c++) a[u][c] = _mm512_dpbf16_ps(a[u][c], x[c], pu);
+        }
+    }
+    for (int u = 0; u < U; u++)
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(S->o + (size_t)(r0 + u) * D + c0 + W * c, a[u][c]);
+}
+
+static inline __attribute__((always_inline)) void values_bf16(scratch_t *S, int R, int Rp, const int D, int nkp) {
+    pv_pairs(S, Rp, D, nkp);
+    for (int c0 = 0; c0 < D; c0 += 4 * W) {
+        const int C = (D - c0) / W < 4 ? (D - c0) / W : 4;
+        int r = 0;
+        if (C == 4) {
+            for (; r + MRV <= R; r += MRV) pv_tile_bf16(S, Rp, D, nkp, r, c0, MRV, 4);
+            for (; r < R; r++) pv_tile_bf16(S, Rp, D, nkp, r, c0, 1, 4);
+        } else {
+            for (; r < R; r++) pv_tile_bf16(S, Rp, D, nkp, r, c0, 1, C);
+        }
+    }
+}
+#endif
+
 /* the block's scores (nk a multiple of UK) and each row's block maximum (bf16 > 0: from
  * bf16 query pairs and keys, multiplied by `scale`) */
 static inline __attribute__((always_inline)) void scores(scratch_t *S, int Rp, const int D, int nk, int64_t kb,
@@ -333,6 +398,12 @@ static inline __attribute__((always_inline)) void block_body(scratch_t *S, int R
         if (c != 1.f)
             for (int d = 0; d < D; d += W) st(S->o + (size_t)r * D + d, ld(S->o + (size_t)r * D + d) * c);
     }
+#if HAVE_BF16
+    if (bf16) {
+        values_bf16(S, R, Rp, D, nkp);
+        return;
+    }
+#endif
     values(S, R, Rp, D, nk);
 }
 
@@ -413,12 +484,16 @@ static void item(const pjob_t *J, scratch_t *S, const item_t *it) {
                     memcpy((uint16_t *)S->kb + (size_t)j * D, (const uint16_t *)J->kc + off, sizeof(uint16_t) * D);
                 else
                     widen_row(J->kc, J->kind, off, D, S->kb + (size_t)j * D);
-                widen_row(J->vc, J->kind, off, D, S->vb + (size_t)j * D);
+                if (J->qbf16)
+                    memcpy((uint16_t *)S->vb + (size_t)j * D, (const uint16_t *)J->vc + off, sizeof(uint16_t) * D);
+                else
+                    widen_row(J->vc, J->kind, off, D, S->vb + (size_t)j * D);
             }
             /* keys past the block's end up to a whole tile: zeros, masked (past every row) */
-            if (J->qbf16)
+            if (J->qbf16) {
                 memset((uint16_t *)S->kb + (size_t)nk * D, 0, sizeof(uint16_t) * (size_t)(nkp - nk) * D);
-            else
+                memset((uint16_t *)S->vb + (size_t)nk * D, 0, sizeof(uint16_t) * (size_t)(nkp - nk) * D);
+            } else
                 memset(S->kb + (size_t)nk * D, 0, sizeof(float) * (size_t)(nkp - nk) * D);
         }
         const int masked = kb + nkp - 1 > first || (J->window > 0 && kb <= last - J->window);
@@ -440,7 +515,8 @@ static int run_items(const pjob_t *J, const item_t *items, int n, int nthreads) 
 #pragma omp parallel num_threads(nthreads) reduction(| : rc)
     {
         scratch_t S;
-        const size_t floats = (size_t)D * Rp + (size_t)BK * Rp + Rp * D + 4 * Rp + 2 * (size_t)BK * D;
+        const size_t floats = (size_t)D * Rp + (size_t)BK * Rp + Rp * D + 4 * Rp + 2 * (size_t)BK * D +
+                              (size_t)BK / 2 * (Rp + D);
         float *buf = (float *)aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
         int32_t *pos = (int32_t *)malloc(sizeof(int32_t) * Rp * 2);
         if (!buf || !pos) {
@@ -455,6 +531,8 @@ static int run_items(const pjob_t *J, const item_t *items, int n, int nthreads) 
             S.corr = S.bmax + Rp;
             S.kb = S.corr + Rp;
             S.vb = S.kb + (size_t)BK * D;
+            S.pp = (uint32_t *)(S.vb + (size_t)BK * D);
+            S.vp = S.pp + (size_t)BK / 2 * Rp;
             S.pos = pos;
             S.idx = pos + Rp;
 #pragma omp for schedule(dynamic, 1)

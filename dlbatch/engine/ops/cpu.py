@@ -39,7 +39,8 @@ sequence's keys read from the paged cache, flash style, with the grouped query h
 KV head sharing each key row; a chunk over a cached prefix costs only its own rows' work,
 and a row's result does not depend on how its sequence was chunked. bf16 queries go there too
 on a CPU with AVX512_BF16 but no AMX (faster than bf16 SDPA there: docs/benchmarks.md): over
-a bf16 cache as they are (scores by `vdpbf16ps`, exact products), over a cache of another
+a bf16 cache as they are (scores by `vdpbf16ps`, exact products; the probabilities rounded
+to bf16 for the weighted values, as torch's bf16 SDPA rounds them), over a cache of another
 dtype widened to float32; the output is rounded back to bf16. Elsewhere (bf16 on AMX,
 AVX2, head sizes it does not take) torch's SDPA: a chunk whose context starts in the cache
 (chunked prefill, prefix hit) needs a causal mask offset by the cached length, which SDPA

@@ -165,8 +165,9 @@ def prefill_available(head_dim: int) -> bool:
 
 
 def prefill_bf16_queries() -> bool:
-    """Whether prefill_attention takes bf16 queries over a bf16 cache as they are (scores by
-    AVX512_BF16 dot products of the bf16 operands, exact products)."""
+    """Whether prefill_attention takes bf16 queries over a bf16 cache as they are (AVX512_BF16
+    dot products: the scores from the bf16 operands, exact products; the weighted values
+    from the probabilities rounded to bf16)."""
     L = PREFILL.get()
     return L is not None and L.bf16_queries
 
