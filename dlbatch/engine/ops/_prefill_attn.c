@@ -313,19 +313,6 @@ static inline __attribute__((always_inline)) void pv_tile_bf16(scratch_t *S, int
         for (int c = 0; c < C; c++) _mm512_storeu_ps(S->o + (size_t)(r0 + u) * D + c0 + W * c, a[u][c]);
 }
 
-static inline __attribute__((always_inline)) void values_bf16(scratch_t *S, int R, int Rp, const int D, int nkp) {
-    pv_pairs(S, Rp, D, nkp);
-    for (int c0 = 0; c0 < D; c0 += 4 * W) {
-        const int C = (D - c0) / W < 4 ? (D - c0) / W : 4;
-        int r = 0;
-        if (C == 4) {
-            for (; r + MRV <= R; r += MRV) pv_tile_bf16(S, Rp, D, nkp, r, c0, MRV, 4);
-            for (; r < R; r++) pv_tile_bf16(S, Rp, D, nkp, r, c0, 1, 4);
-        } else {
-            for (; r < R; r++) pv_tile_bf16(S, Rp, D, nkp, r, c0, 1, C);
-        }
-    }
-}
 #endif
 
 /* the block's scores (nk a multiple of UK) and each row's block maximum (bf16 > 0: from
@@ -346,15 +333,33 @@ static inline __attribute__((always_inline)) void scores(scratch_t *S, int Rp, c
     }
 }
 
-static inline __attribute__((always_inline)) void values(scratch_t *S, int R, int Rp, const int D, int nk) {
+/* one output tile from float32 probabilities and V rows, or (bf16) from their bf16 pairs */
+static inline __attribute__((always_inline)) void pv_any(scratch_t *S, int Rp, int D, int nk, int r0, int c0,
+                                                         const int U, const int C, const int bf16) {
+#if HAVE_BF16
+    if (bf16) {
+        pv_tile_bf16(S, Rp, D, nk, r0, c0, U, C);
+        return;
+    }
+#endif
+    (void)bf16;
+    pv_tile(S, Rp, D, nk, r0, c0, U, C);
+}
+
+/* the rows' weighted values over the block's nk keys (bf16: nk even, the pairs made here) */
+static inline __attribute__((always_inline)) void values(scratch_t *S, int R, int Rp, const int D, int nk,
+                                                         const int bf16) {
+#if HAVE_BF16
+    if (bf16) pv_pairs(S, Rp, D, nk);
+#endif
     for (int c0 = 0; c0 < D; c0 += 4 * W) {
         const int C = (D - c0) / W < 4 ? (D - c0) / W : 4;
         int r = 0;
         if (C == 4) {
-            for (; r + MRV <= R; r += MRV) pv_tile(S, Rp, D, nk, r, c0, MRV, 4);
-            for (; r < R; r++) pv_tile(S, Rp, D, nk, r, c0, 1, 4);
+            for (; r + MRV <= R; r += MRV) pv_any(S, Rp, D, nk, r, c0, MRV, 4, bf16);
+            for (; r < R; r++) pv_any(S, Rp, D, nk, r, c0, 1, 4, bf16);
         } else {
-            for (; r < R; r++) pv_tile(S, Rp, D, nk, r, c0, 1, C);
+            for (; r < R; r++) pv_any(S, Rp, D, nk, r, c0, 1, C, bf16);
         }
     }
 }
@@ -398,13 +403,7 @@ static inline __attribute__((always_inline)) void block_body(scratch_t *S, int R
         if (c != 1.f)
             for (int d = 0; d < D; d += W) st(S->o + (size_t)r * D + d, ld(S->o + (size_t)r * D + d) * c);
     }
-#if HAVE_BF16
-    if (bf16) {
-        values_bf16(S, R, Rp, D, nkp);
-        return;
-    }
-#endif
-    values(S, R, Rp, D, nk);
+    values(S, R, Rp, D, bf16 ? nkp : nk, bf16); /* the pairs take the block's whole tiles */
 }
 
 /* the block for the common head sizes compiled with the size a constant (unrolled tiles),
