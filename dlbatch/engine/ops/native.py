@@ -46,6 +46,7 @@ def bind_decode(L):
     L.dl_paged_decode_width.argtypes = [_I]
     L.dl_paged_decode_bf16.restype = _I  # 1: bf16 queries over a bf16 cache taken as they are (AVX512_BF16)
     L.dl_paged_decode_bf16.argtypes = [_I]
+    L.bf16_heads = frozenset(d for d in range(32, 257, 32) if L.dl_paged_decode_bf16(d))  # asked once, not per call
     return L
 
 
@@ -136,7 +137,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return None
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.dtype != k_cache.dtype:
         return None
-    as_is = q.dtype == torch.bfloat16 and kind == KV_KINDS[torch.bfloat16] and L.dl_paged_decode_bf16(q.shape[-1])
+    as_is = q.dtype == torch.bfloat16 and kind == KV_KINDS[torch.bfloat16] and q.shape[-1] in L.bf16_heads
     if q.dtype != torch.float32 and not as_is:
         out = paged_decode(q.float(), k_cache, v_cache, block_tables, lens, window)
         return None if out is None else out.to(q.dtype)
